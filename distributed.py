@@ -1,0 +1,698 @@
+"""Data-parallel training in one file: copy it next to your training script.
+
+    import distributed as dist
+
+    def main_worker(local_rank: int, world_size: int, args) -> None:
+        device = dist.init_process_group(local_rank, world_size)
+        sampler = dist.data_sampler(dataset, dist.get_world_size() > 1, shuffle=True)
+        ...                        # DDP(model), sampler.set_epoch(epoch), dist.reduce(...)
+        dist.cleanup()
+
+    if __name__ == "__main__":
+        dist.launch(main_worker, args)
+
+The same script runs unchanged as
+    python train.py                                  # one process per visible GPU, else 1 on CPU
+    python train.py  (launch(..., nprocs=N))         # N local processes (gloo on CPU)
+    torchrun --nproc_per_node=N train.py             # one or many hosts
+    srun -n N python train.py                        # SLURM
+
+Standard library and torch only. No module-level state: everything is asked of torch.distributed
+or of the environment the launcher set.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import datetime
+import multiprocessing.connection
+import os
+import pickle
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+__all__ = [
+    "launch",
+    "launch_mode",
+    "init_process_group",
+    "data_sampler",
+    "reduce",
+    "barrier",
+    "is_primary",
+    "get_rank",
+    "get_world_size",
+    "print_primary",
+    "print_ranked",
+    "cleanup",
+    "expand_hostlist",
+    "WorkerFailed",
+    "DEFAULT_TIMEOUT",
+]
+
+# gloo and NCCL wait 30 minutes by default before a stuck collective fails; 5 minutes is long enough
+# for a rank-0-only evaluation or save, and short enough that a hung rank does not eat the allocation.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+# Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
+_INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+_REDUCE_OPS = ("sum", "mean", "max", "min")
+_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
+
+
+class WorkerFailed(RuntimeError):
+    """A launched process died without a Python exception (a signal, os._exit, a crash in C++)."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+class _Launcher(NamedTuple):
+    mode: str  # "torchrun" (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK), "spawn", "slurm"
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+
+def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
+    """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
+
+    Inside a launcher (torchrun, srun, or a process this function spawned) nothing is spawned: the
+    worker runs once, here. Otherwise ``nprocs`` processes run on this machine (default: one per
+    visible GPU, else 1); with one process the worker runs here, in-process.
+
+    A failing rank stops the whole job at once: the other ranks are terminated and the root-cause
+    rank's exception is re-raised here with its remote traceback attached as a note (or a
+    ``WorkerFailed`` when the rank died of a signal). Ctrl-C or SIGTERM stop every worker first.
+    """
+    env = _launcher_env()
+    if env is not None:
+        _under_launcher(worker, env)(env.local_rank, env.world_size, *args)
+        return
+    nprocs = _resolve_nprocs(nprocs)
+    if nprocs == 1:
+        worker(0, 1, *args)
+        return
+    _check_spawnable(worker, args)
+    # Exit order matters: the workers are stopped before a SIGTERM is delivered again.
+    with _sigterm_as_interrupt(), _Workers(worker, nprocs, args) as workers:
+        workers.join()
+
+
+def launch_mode() -> str:
+    """How this process was started: "torchrun", "slurm", "spawn" (by launch) or "single"."""
+    env = _launcher_env()
+    return "single" if env is None else env.mode
+
+
+def init_process_group(
+    local_rank: int,
+    world_size: int,
+    backend: str | None = None,
+    timeout: datetime.timedelta | float | None = None,
+) -> torch.device:
+    """Join the job's process group and return this rank's device. Safe to call twice.
+
+    nccl with ``torch.cuda.set_device`` when this rank has a GPU, else gloo. The global rank comes
+    from the launcher's environment (torchrun, SLURM, launch), else it is ``local_rank``. A world of
+    one outside any launcher creates no group: every helper here then behaves as one process.
+    ``timeout`` (a timedelta or seconds; default ``DEFAULT_TIMEOUT``) bounds every collective, so a
+    hung rank makes the others fail with a timeout error instead of waiting 30 minutes.
+    """
+    device = _device_for(local_rank)
+    if dist.is_available() and dist.is_initialized():
+        return device
+    env = _launcher_env()
+    if env is None:
+        if world_size == 1:
+            return device
+        raise ValueError(
+            f"init_process_group: world_size={world_size} but no launcher environment was found "
+            "(RANK/WORLD_SIZE/LOCAL_RANK or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); start the "
+            "processes with distributed.launch(), torchrun or srun"
+        )
+    if world_size != env.world_size:
+        raise ValueError(
+            f"init_process_group: world_size={world_size} disagrees with the launcher's "
+            f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker"
+        )
+    if env.mode == "torchrun":
+        _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(
+        backend,
+        init_method=_init_method(env),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=_as_timedelta(timeout),
+        device_id=device if backend == "nccl" else None,
+    )
+    return device
+
+
+def data_sampler(
+    dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True, seed: int = 0
+) -> Sampler | None:
+    """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
+
+    Every rank draws the same permutation of the dataset for a given epoch (``seed + epoch``);
+    call ``sampler.set_epoch(epoch)`` every epoch or every epoch repeats the same order.
+
+    pad=True: torch's DistributedSampler; every rank gets ceil(N / world) samples, padded by
+    repeating the first ones, so all ranks run the same number of steps (needed for training).
+    pad=False: every sample exactly once across the ranks (ranks may differ by one sample), for
+    exact evaluation; a rank may then get no sample at all when N < world.
+    """
+    if not distributed:
+        return None
+    world, rank, size = get_world_size(), get_rank(), len(dataset)
+    if size == 0:
+        raise ValueError("data_sampler: the dataset is empty (got len(dataset)=0)")
+    if pad and size < world:
+        raise ValueError(
+            f"data_sampler: the dataset has {size} samples but the world size is {world}; with "
+            f"pad=True {world - size} rank(s) would train only on repeated samples. Use at least "
+            f"{world} samples, fewer processes, or pad=False (for evaluation)"
+        )
+    if pad:
+        return DistributedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+    return _UnpaddedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+
+
+def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
+    """A new tensor holding ``value`` all-reduced over every rank; must be called on all ranks.
+
+    op: "sum", "mean", "max" or "min". Shape and dtype are kept, except that a mean of integers or
+    booleans is float64 (an integer mean would truncate) and a sum of booleans is an int64 count.
+    The input is never modified; the result is detached; in one process it is a copy of the input.
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce: unknown op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
+    tensor = torch.as_tensor(value)
+    out_dtype = _reduce_dtype(tensor.dtype, op)
+    result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
+    if get_world_size() > 1:
+        on_cpu_nccl = dist.get_backend() == "nccl" and result.device.type != "cuda"
+        wire = result.cuda() if on_cpu_nccl else result
+        torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(wire, op=torch_op)
+        result = wire.to(result.device)
+    if op == "mean":
+        result = result / get_world_size()
+    return result.to(out_dtype)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; must be called on all ranks. A no-op in one process."""
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def is_primary() -> bool:
+    """True on global rank 0 only (one process in the whole job, across nodes), and in one process."""
+    return get_rank() == 0
+
+
+def get_rank() -> int:
+    """This process's global rank; 0 before init_process_group or in one process."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """The number of processes in the job; 1 before init_process_group or in one process."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def print_primary(*args: Any, **kwargs: Any) -> None:
+    """print() on the primary rank only; the other ranks print nothing."""
+    if is_primary():
+        print(*args, **{"flush": True, **kwargs})
+
+
+def print_ranked(*args: Any, sep: str = " ") -> None:
+    """Print one line per rank, in rank order, each prefixed ``[rank k]``; must be called on all ranks.
+
+    The lines are gathered to the primary and printed there (one collective, no interleaving).
+    """
+    line = f"[rank {get_rank()}] " + sep.join(str(a) for a in args)
+    if get_world_size() == 1:
+        print(line, flush=True)
+        return
+    lines = [None] * get_world_size() if is_primary() else None
+    dist.gather_object(line, lines, dst=0)
+    if lines is not None:
+        print("\n".join(lines), flush=True)
+
+
+def cleanup() -> None:
+    """Destroy the process group if there is one. Safe to call twice, and without a group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a SLURM hostlist: ``"node[01-03,7],gpu-a"`` -> node01 node02 node03 node7 gpu-a."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        hosts.extend(_expand_host(item.strip()))
+    if not hosts:
+        raise ValueError(f"expand_hostlist: no host in {hostlist!r}")
+    return hosts
+
+
+# ----------------------------------------------------------------------------------------------
+# Private helpers
+# ----------------------------------------------------------------------------------------------
+
+
+class _UnpaddedSampler(DistributedSampler):
+    """DistributedSampler's permutation, but every index exactly once across the ranks.
+
+    DistributedSampler pads to ``total_size`` and checks ``num_samples``; setting both to the
+    unpadded sizes reuses its shuffling, seeding and set_epoch unchanged.
+    """
+
+    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
+        super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, world))
+
+
+class _Workers:
+    """The processes of one local job started by launch(), and their supervision.
+
+    torch.multiprocessing.spawn is not used because, measured here, it leaves workers running when
+    the parent alone gets SIGINT or is SIGKILLed, and it reports whichever failure it sees first,
+    often a collateral "connection closed" rather than the rank that raised. This class keeps
+    torch's process start (spawn context), but adds a parent-death signal, timestamped error files
+    (earliest = root cause), prompt termination, and a file-based rendezvous that opens no port.
+    """
+
+    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
+        self.nprocs = nprocs
+        self.dir = tempfile.mkdtemp(prefix="distributed-py-")
+        self.store = None
+        self.processes: list[mp.Process] = []
+        try:
+            init_method, self.store = _local_rendezvous(self.dir)
+            threads = _threads_per_process(nprocs)
+            ctx = mp.get_context("spawn")
+            for rank in range(nprocs):
+                rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
+                err_file = os.path.join(self.dir, f"rank{rank}.err")
+                p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
+                                args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
+                p.start()
+                self.processes.append(p)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def join(self) -> None:
+        """Wait for every rank; on the first failure stop the rest and raise the root cause."""
+        pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(sentinel)
+                self.processes[rank].join()
+                if self.processes[rank].exitcode != 0:
+                    seen_at = time.time()
+                    _terminate(self.processes)
+                    raise self._root_cause(rank, seen_at, killed_at=time.time())
+
+    def stop(self) -> None:
+        """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
+        _terminate(self.processes)
+        self.store = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _root_cause(self, first: int, seen_at: float, killed_at: float) -> BaseException:
+        """The failure to report: every rank that raised before we stopped the job competes."""
+        failures = []  # (collateral?, time, rank, report)
+        for rank, p in enumerate(self.processes):
+            report = _read_error_file(os.path.join(self.dir, f"rank{rank}.err"))
+            if report is not None and report["time"] <= killed_at:
+                failures.append((_looks_collateral(report["traceback"]), report["time"], rank, report))
+            elif rank == first:
+                failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
+        # A rank that raised or died first is the root cause; errors that only say a peer went
+        # away ("connection closed") are what the *other* ranks see, so they rank last.
+        _, _, rank, report = min(failures, key=lambda f: f[:3])
+        return _exception_from_report(rank, report)
+
+
+def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
+                  env: dict[str, str], err_file: str, parent_pid: int) -> None:
+    """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
+    _die_with_parent(parent_pid)
+    # The parent owns Ctrl-C: it terminates every worker, so tracebacks from N KeyboardInterrupts
+    # would only bury the report.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        worker(rank, nprocs, *args)
+    except Exception as e:
+        _write_error_file(err_file, e)
+        # This is the process's main, not library code: the exit code tells the parent to look.
+        raise SystemExit(1) from None
+
+
+def _under_launcher(worker: Callable[..., Any], env: _Launcher) -> Callable[..., Any]:
+    """Under torchrun, torch's @record writes the error file its agent reads to name the root cause."""
+    if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+        return record(worker)
+    return worker
+
+
+def _resolve_nprocs(nprocs: int | None) -> int:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nprocs is None:
+        return max(gpus, 1)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch: nprocs must be an integer >= 1, got: {nprocs!r}")
+    if gpus and nprocs > gpus:
+        raise ValueError(
+            f"launch: nprocs={nprocs} but only {gpus} GPU(s) are visible; use nprocs <= {gpus}, "
+            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes"
+        )
+    return nprocs
+
+
+def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
+    """Fail before any process starts when spawn could not run ``worker`` in a fresh interpreter."""
+    try:
+        pickle.dumps((worker, args))
+    except Exception as e:
+        raise TypeError(
+            f"launch: the worker {getattr(worker, '__qualname__', worker)!r} or its arguments cannot "
+            "be pickled, and spawned processes receive them by pickling; define the worker at the "
+            "top level of a module (not a lambda or nested function) and pass picklable arguments"
+        ) from e
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file is None:
+        if getattr(worker, "__module__", None) == "__main__":
+            raise RuntimeError(
+                "launch: the worker is defined in an interactive session or `python -c`, which "
+                "spawned processes cannot import; define it in a .py file"
+            )
+        return
+    if main_file.endswith(".py") and not _has_main_guard(main_file):
+        raise RuntimeError(
+            f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
+            "process imports it again and would launch again. Put the launch() call under the guard"
+        )
+
+
+def _has_main_guard(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let spawn itself report the problem
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) \
+                and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _launcher_env() -> _Launcher | None:
+    """The launcher's view of this process, validated; None outside any launcher."""
+    env = os.environ
+    present = [v for v in _TORCHRUN_VARS if v in env]
+    if present:
+        missing = [v for v in _TORCHRUN_VARS if v not in env]
+        if missing:
+            raise RuntimeError(
+                f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets all of "
+                f"{', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others"
+            )
+        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
+        mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
+        return _validated(_Launcher(mode, rank, local, world))
+    if all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+        world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        return _validated(_Launcher("slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID"), world))
+    return None
+
+
+def _in_slurm_step() -> bool:
+    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    return step is not None and step not in ("batch", "extern", "4294967294", "4294967292")
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got: {value!r}") from None
+
+
+def _validated(env: _Launcher) -> _Launcher:
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
+        raise ValueError(
+            f"inconsistent {env.mode} environment: rank={env.rank}, local_rank={env.local_rank}, "
+            f"world_size={env.world_size}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0"
+        )
+    return env
+
+
+def _device_for(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # With one GPU per task (srun --gpus-per-task) every task sees its GPU as cuda:0.
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _init_method(env: _Launcher) -> str:
+    if env.mode == "spawn":
+        return os.environ[_INIT_METHOD_ENV]
+    if env.mode == "slurm":
+        addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
+        port = os.environ.get("MASTER_PORT") or str(_slurm_master_port())
+        return f"tcp://{addr}:{port}"
+    return "env://"
+
+
+def _slurm_master_addr() -> str:
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        raise RuntimeError("SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; set MASTER_ADDR")
+    return expand_hostlist(nodes)[0]
+
+
+def _slurm_master_port() -> int:
+    """A port every task of the job derives alike from the job id (override with MASTER_PORT)."""
+    return 20000 + _env_int("SLURM_JOB_ID") % 20000
+
+
+def _expand_host(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if match is None:
+        return [item] if item else []
+    head, tail = item[: match.start()], item[match.end():]
+    out = []
+    for part in match.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
+        for n in range(int(lo), int(hi or lo) + 1):
+            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
+    return out
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=timeout)
+    raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got: {timeout!r}")
+
+
+def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    if op == "sum" and dtype == torch.bool:
+        return torch.int64
+    return dtype
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
+    return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
+
+
+def _local_rendezvous(workdir: str) -> tuple[str, Any]:
+    """How the ranks of a local job meet: (init_method, store the parent keeps alive or None).
+
+    By default a FileStore in this job's private directory: no port to race for, nothing listening
+    on the network. An explicit MASTER_PORT is respected: the parent then holds the TCPStore on it
+    for the job's lifetime and the ranks connect as clients (as under torchrun).
+    """
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        return f"file://{os.path.join(workdir, 'store')}", None
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False)
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            f"launch: cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({e}); the port is "
+            "busy or invalid: unset MASTER_PORT to rendezvous without a port, or choose a free one"
+        ) from e
+    return "env://", store
+
+
+def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[str, str]:
+    """What a spawned rank sees: torchrun's variables, so user code reading RANK etc. just works."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+           "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": str(threads),
+           _INIT_METHOD_ENV: init_method}
+    if init_method == "env://":  # explicit MASTER_PORT: connect to the store the parent holds
+        env |= {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # a local job's data connections stay on loopback
+    return env
+
+
+def _threads_per_process(nprocs: int) -> int:
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(int(os.environ["OMP_NUM_THREADS"]), 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max((cores or 1) // nprocs, 1)
+
+
+def _die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no worker outlives its launcher."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died before prctl took effect; then nobody will send the signal.
+    orphaned = os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1
+    if orphaned:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the workers run, turn SIGTERM into KeyboardInterrupt so they are stopped first.
+
+    On the way out the signal is delivered again with the previous handler, so the launcher still
+    dies of SIGTERM (exit code 143), as whoever sent it expects.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed in the main thread
+        return
+    received = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def _terminate(processes: list) -> None:
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in alive:
+        p.join(max(deadline - time.monotonic(), 0))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _write_error_file(path: str, error: BaseException) -> None:
+    report = {"time": time.time(), "traceback": traceback.format_exc(),
+              "type": type(error).__qualname__, "message": str(error)}
+    with contextlib.suppress(Exception):
+        pickle.loads(pickle.dumps(error))
+        report["exception"] = pickle.dumps(error)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(report, f)
+    os.replace(tmp, path)  # the parent never reads half a report
+
+
+def _read_error_file(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _exit_report(rank: int, exitcode: int) -> dict:
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)" if name == "SIGKILL" else ""
+        return {"message": f"rank {rank} was killed by signal {name}{hint}"}
+    return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
+
+
+def _looks_collateral(tb: str) -> bool:
+    """A peer vanished or timed out: what the surviving ranks see when another rank fails first."""
+    return bool(re.search(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|"
+                          r"Socket Timeout|Timed out waiting|timed out", tb))
+
+
+def _exception_from_report(rank: int, report: dict) -> BaseException:
+    if "traceback" not in report:
+        return WorkerFailed(report["message"], rank)
+    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
+    try:
+        error = pickle.loads(report["exception"])
+    except Exception:
+        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
+    with contextlib.suppress(AttributeError):
+        error.rank = rank
+    error.add_note(note)
+    return error
