@@ -1,0 +1,244 @@
+"""Minimal data-parallel training with distributed.py: a classifier on built-in synthetic data.
+
+    python min_ddp.py                                   # every visible GPU, else one CPU process
+    python min_ddp.py --nprocs 2                        # 2 gloo processes on CPU
+    torchrun --standalone --nproc_per_node=2 min_ddp.py # the same script under torchrun
+    srun -n 2 python min_ddp.py                         # ... and under SLURM
+    python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then
+    python min_ddp.py --config cfg.json --epochs 3      # flags override the file
+
+Every --log-every steps each rank prints its own loss/accuracy and the primary prints the global
+ones (weighted by sample counts). Every epoch the whole validation set is evaluated exactly once
+across the ranks (pad=False), so the validation metrics equal a one-process evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import distributed as dist
+
+FEATURES, CLASSES = 32, 10
+TRAIN_SIZE, VAL_SIZE = 16384, 4096
+DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
+
+
+def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
+    device = dist.init_process_group(local_rank, world_size, timeout=args.timeout)
+    try:
+        train(args, device)
+    finally:
+        dist.cleanup()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = make_model().to(device)
+    ddp_model = wrap(model, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # Also distributed in a world of one: then its order is the global order of every world size.
+    train_sampler = dist.data_sampler(make_dataset("train"), True, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(make_dataset("train"), args.batch_size, sampler=train_sampler)
+    val_loader = DataLoader(make_dataset("val"), args.batch_size,
+                            sampler=dist.data_sampler(make_dataset("val"), True, False, pad=False))
+    dist.print_primary(banner(device))
+    started, samples = time.perf_counter(), 0
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # a new shuffle every epoch
+        train_loss = train_epoch(ddp_model, train_loader, optimizer, args, epoch)
+        samples += len(train_loader.dataset)
+        val_loss, val_acc = evaluate(model, val_loader, device)
+        elapsed = time.perf_counter() - started
+        dist.print_primary(
+            f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {val_acc:.4f} | "
+            f"{samples / elapsed:.0f} samples/s | eta {elapsed / (epoch + 1) * (args.epochs - epoch - 1):.1f}s"
+        )
+    if args.save_model:
+        save_model(model, args.save_model)
+    dist.print_primary(
+        f"done: world={dist.get_world_size()} epochs={args.epochs} train_loss={train_loss:.4f} "
+        f"val_loss={val_loss:.4f} val_acc={val_acc:.4f} samples_per_s={samples / elapsed:.0f}"
+    )
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, CLASSES))
+
+
+def make_dataset(split: str) -> TensorDataset:
+    """Gaussian blobs, one per class: deterministic, identical on every rank, nothing downloaded."""
+    centers = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(DATA_SEED))
+    size, offset = (TRAIN_SIZE, 1) if split == "train" else (VAL_SIZE, 2)
+    gen = torch.Generator().manual_seed(DATA_SEED + offset)
+    labels = torch.randint(CLASSES, (size,), generator=gen)
+    inputs = centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen)
+    return TensorDataset(inputs, labels)
+
+
+def wrap(model: nn.Module, device: torch.device) -> nn.Module:
+    if dist.get_world_size() == 1:
+        return model
+    return DDP(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+                args: argparse.Namespace, epoch: int) -> float:
+    """One pass over this rank's shard; returns the global mean training loss of the epoch."""
+    model.train()
+    device = next(model.parameters()).device
+    interval = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    total = torch.zeros_like(interval)
+    for step, (x, y) in enumerate(loader):
+        x, y = x.to(device), y.to(device)
+        group_start = step - step % args.grad_accum
+        group_end = min(group_start + args.grad_accum, len(loader))
+        # Micro-batches before the last of each group stay local: no all-reduce until the last.
+        syncing = step + 1 == group_end
+        with contextlib.nullcontext() if syncing or not isinstance(model, DDP) else model.no_sync():
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            (loss / (group_end - group_start)).backward()
+        if syncing:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        batch = torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
+        interval += batch.to(interval)  # no host sync per step: .item() only when logging
+        if (step + 1) % args.log_every == 0 or step + 1 == len(loader):
+            log_interval(interval, epoch, step + 1, len(loader))
+            total += interval
+            interval.zero_()
+    loss_sum, _, count = dist.reduce(total).tolist()
+    return loss_sum / count
+
+
+def log_interval(stats: torch.Tensor, epoch: int, step: int, steps: int) -> None:
+    """Per-rank lines, then the global numbers: one packed all-reduce, weighted by sample counts."""
+    loss_sum, correct, count = stats.tolist()
+    dist.print_ranked(f"epoch {epoch + 1} step {step}/{steps} | loss {loss_sum / count:.4f} | "
+                      f"acc {correct / count:.4f} ({correct:.0f}/{count:.0f})")
+    loss_sum, correct, count = dist.reduce(stats).tolist()
+    dist.print_primary(f"[global] epoch {epoch + 1} step {step}/{steps} | loss {loss_sum / count:.4f} | "
+                       f"acc {correct / count:.4f} ({correct:.0f}/{count:.0f})")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """Global validation loss and accuracy; every sample counted once (the sampler has pad=False).
+
+    ``model`` is the plain module, not the DDP wrapper: ranks may hold different numbers of batches,
+    and a DDP forward could start collectives that the other ranks never join.
+    """
+    model.eval()
+    stats = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        stats += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                              (logits.argmax(1) == y).sum().double(), torch.tensor(len(y)).double()]).to(stats)
+    loss_sum, correct, count = dist.reduce(stats).tolist()
+    return loss_sum / count, correct / count
+
+
+def save_model(model: nn.Module, path: str) -> None:
+    """The primary writes the plain module's weights atomically; every rank waits until it is done."""
+    if dist.is_primary():
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, path)
+    dist.barrier()
+
+
+def banner(device: torch.device) -> str:
+    backend = torch.distributed.get_backend() if dist.get_world_size() > 1 else "none"
+    return (f"mode={dist.launch_mode()} world={dist.get_world_size()} backend={backend} "
+            f"device={device.type} threads={torch.get_num_threads()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: argparse flags, optionally on top of a JSON file
+# ----------------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got: {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got: {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=positive_int, default=None,
+                   help="processes on this machine (default: visible GPUs, else 1); ignored under torchrun/srun")
+    p.add_argument("--epochs", type=positive_int, default=5)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="per process")
+    p.add_argument("--lr", type=positive_float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=positive_int, default=100, help="steps between metric lines")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds a collective may wait for a stuck rank before failing")
+    p.add_argument("--save-model", default=None, metavar="PATH", help="write the final weights here")
+    p.add_argument("--config", default=None, metavar="FILE.json", help="settings from JSON; flags override")
+    p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**read_config(args.config, parser))
+        args = parser.parse_args(argv)  # the command line wins over the file
+    return args
+
+
+def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Settings from a JSON object whose keys are the long flags' names (batch_size, lr, ...)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        parser.error(f"--config {path}: {e}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "print_config")}
+    if not isinstance(settings, dict):
+        parser.error(f"--config {path}: expected a JSON object, got: {type(settings).__name__}")
+    for key, value in settings.items():
+        if key not in actions:
+            parser.error(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(actions))}")
+        if value is not None and actions[key].type is not None:
+            try:
+                settings[key] = actions[key].type(str(value))
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"--config {path}: {key}={value!r}: {e}")
+    return settings
+
+
+def config_json(args: argparse.Namespace) -> str:
+    settings = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+    return json.dumps(settings, indent=2)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.print_config:
+        print(config_json(args))
+    else:
+        dist.launch(main_worker, args, nprocs=args.nprocs)
