@@ -143,8 +143,9 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        stats += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
-                              (logits.argmax(1) == y).sum().double(), torch.tensor(len(y)).double()]).to(stats)
+        # Per-sample losses summed in float64: the total does not depend on how samples are batched.
+        loss_sum = F.cross_entropy(logits, y, reduction="none").double().sum()
+        stats += torch.stack([loss_sum, (logits.argmax(1) == y).sum().double(), torch.tensor(float(len(y)))]).to(stats)
     loss_sum, correct, count = dist.reduce(stats).tolist()
     return loss_sum / count, correct / count
 

@@ -1,0 +1,338 @@
+"""The equivalence harness: a reusable pool of real gloo processes, models, data and the reference.
+
+Starting a process that imports torch costs 1-3 s here, so each world size gets one pool of real
+processes, started once through distributed._Workers (launch's own machinery) with a gloo group
+each, and reused for every example. Hypothesis generates examples here in the parent (it cannot
+shrink across processes); the workers run ``task_*`` functions on every rank and return tensors;
+the parent computes the 1-process reference and asserts. A failing or hung task gets every rank's
+error, and its pool is torn down and restarted on next use.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, settings
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import distributed
+
+# ---------------------------------------------------------------------------------------------
+# Hypothesis profiles: CI is derandomized (same examples every run); dev explores 5x more.
+# ---------------------------------------------------------------------------------------------
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # libcst (pulled in by a plugin on some machines) warns about its own imports: not ours to fix.
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:libcst.*")
+
+
+def examples(n: int) -> int:
+    """How many examples a property runs: n in CI, 5n in the dev profile."""
+    return n * (5 if PROFILE == "dev" else 1)
+
+
+TASK_TIMEOUT_S = 60.0   # a task that takes longer is a hang: the pool is killed and the test fails
+WORKER_PG_TIMEOUT_S = 30.0  # a collective stuck longer than this fails inside the workers too
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool
+# ---------------------------------------------------------------------------------------------
+
+
+class PoolError(AssertionError):
+    """A task failed or hung on some rank; the message holds every rank's report."""
+
+
+class WorkerPool:
+    """``world`` real processes in one gloo group, each serving tasks over a pipe, one thread each."""
+
+    def __init__(self, world: int):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(world)]
+        self.conns = [parent for parent, _ in pipes]
+        self.workers = distributed._Workers(_serve, world, ([child for _, child in pipes],),
+                                            env={"OMP_NUM_THREADS": "1"})
+        for _, child in pipes:
+            child.close()
+
+    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float = TASK_TIMEOUT_S) -> list:
+        """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
+        for conn in self.conns:
+            conn.send((task, spec))
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple] = {}
+        while len(replies) < self.world:
+            waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
+            ready = multiprocessing.connection.wait(list(waiting), max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise PoolError(f"{task.__name__} did not finish within {timeout:.0f} s on ranks "
+                                f"{sorted(waiting.values())} (world {self.world}): a hang\n{spec}")
+            for conn in ready:
+                try:
+                    replies[waiting[conn]] = conn.recv()
+                except EOFError:
+                    code = self.workers.processes[waiting[conn]].exitcode
+                    replies[waiting[conn]] = ("error", f"worker process died (exit code {code})")
+        errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
+        if errors:
+            report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+            raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n{report}")
+        return [replies[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        self.workers.stop()
+
+
+class Pools:
+    """One pool per world size, started on first use and restarted after any failure."""
+
+    def __init__(self):
+        self.pools: dict[int, WorkerPool] = {}
+
+    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float = TASK_TIMEOUT_S) -> list:
+        if world not in self.pools:
+            self.pools[world] = WorkerPool(world)
+        try:
+            return self.pools[world].run(task, spec, timeout)
+        except BaseException:
+            self.pools.pop(world).close()
+            raise
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = Pools()
+    yield p
+    p.close()
+
+
+def _serve(rank: int, world: int, conns: list) -> None:
+    """A pool worker's main: join the group once, then run tasks until told to stop."""
+    conn = conns[rank]
+    distributed.init_process_group(rank, world, timeout=WORKER_PG_TIMEOUT_S)
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            task, spec = message
+            try:
+                conn.send(("ok", task(spec)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        distributed.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data (float64: property tests compare with tight tolerances)
+# ---------------------------------------------------------------------------------------------
+FEATURES, CLASSES, IMAGE, VOCAB, SEQ = 5, 3, 6, 11, 6
+
+
+class TinyLM(nn.Module):
+    """A causal transformer language model: token + position embeddings, one block, a head."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Embedding(SEQ, width)
+        self.block = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width,
+                                                dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(self.block(h, src_mask=self.mask, is_causal=True))
+
+
+def build_model(kind: str, width: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, CLASSES))
+    elif kind == "conv":
+        model = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(width * IMAGE * IMAGE, CLASSES))
+    elif kind == "bn":
+        model = nn.Sequential(nn.Linear(FEATURES, width), nn.BatchNorm1d(width), nn.ReLU(),
+                              nn.Linear(width, CLASSES))
+    elif kind == "lm":
+        model = TinyLM(2 * width)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    return model.double()
+
+
+def build_data(kind: str, n: int, seed: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "lm":
+        tokens = torch.randint(VOCAB, (n, SEQ + 1), generator=gen)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    shape = (n, 1, IMAGE, IMAGE) if kind == "conv" else (n, FEATURES)
+    return TensorDataset(torch.randn(shape, generator=gen, dtype=torch.float64),
+                         torch.randint(CLASSES, (n,), generator=gen))
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The 1-process reference runs with one thread, like each pool worker: same kernels, same sums."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def param_vector(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def grad_vector(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().flatten() for p in model.parameters()]).clone()
+
+
+def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+              steps: int, accum: int) -> dict:
+    """``steps`` optimizer steps of ``accum`` micro-batches each; the parameters after every step.
+
+    Under DDP all micro-batches but the last of a step run under no_sync(): no all-reduce.
+    Also returns the gradient after the very first micro-batch (local under no_sync).
+    """
+    batches = iter(loader)
+    params, first_grad = [], None
+    for _ in range(steps):
+        for micro in range(accum):
+            x, y = next(batches)
+            local = micro < accum - 1 and isinstance(model, DDP)
+            with model.no_sync() if local else contextlib.nullcontext():
+                (loss_fn(model, x, y) / accum).backward()
+            if first_grad is None:
+                first_grad = grad_vector(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        params.append(param_vector(model))
+    return {"params": params, "first_grad": first_grad}
+
+
+def train_loader(spec: dict, batch_size: int) -> DataLoader:
+    """The data through the project's data_sampler: this rank's shard, or all of it in one process."""
+    data = build_data(spec["kind"], spec["n"], spec["data_seed"])
+    sampler = distributed.data_sampler(data, True, spec["shuffle"], seed=spec["data_seed"])
+    sampler.set_epoch(spec["epoch"])
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: run on every rank of a pool (module-level so spawn can pickle them by reference)
+# ---------------------------------------------------------------------------------------------
+
+
+def task_train(spec: dict) -> dict:
+    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]))
+    optimizer = make_optimizer(spec["optim"], model.module, spec["lr"])
+    loader = train_loader(spec, spec["batch"])
+    return run_steps(model, optimizer, loader, spec["steps"], spec["accum"])
+
+
+def task_grads(spec: dict) -> torch.Tensor:
+    """One backward through DDP on this rank's explicit indices; the (averaged) gradient."""
+    rank = distributed.get_rank()
+    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]))
+    data = build_data(spec["kind"], spec["n"], spec["data_seed"])
+    x, y = data[spec["indices"][rank]]
+    (loss_fn(model, x, y, spec["reduction"]) * spec["scale"][rank]).backward()
+    return grad_vector(model)
+
+
+def task_sampler(spec: dict) -> list[list[int]] | str:
+    """This rank's indices for each epoch, or the error data_sampler raised."""
+    data = TensorDataset(torch.arange(spec["n"]))
+    try:
+        sampler = distributed.data_sampler(data, True, spec["shuffle"], pad=spec["pad"], seed=spec["seed"])
+    except ValueError as e:
+        return f"ValueError: {e}"
+    out = []
+    for epoch in spec["epochs"]:
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+        assert len(out[-1]) == len(sampler), "len(sampler) disagrees with what it yields"
+    return out
+
+
+def task_reduce(spec: dict) -> dict:
+    value = spec["values"][distributed.get_rank()]
+    before = value.clone() if isinstance(value, torch.Tensor) else value
+    result = distributed.reduce(value, spec["op"])
+    untouched = torch.equal(value, before) if isinstance(value, torch.Tensor) else value == before
+    return {"result": result, "untouched": untouched, "is_new": result is not value}
+
+
+def task_identity(spec: dict) -> dict:
+    return {"rank": distributed.get_rank(), "world": distributed.get_world_size(),
+            "primary": distributed.is_primary(), "mode": distributed.launch_mode()}
+
+
+def task_eval(spec: dict) -> tuple[float, float]:
+    """min_ddp's own evaluate() on a prefix of its validation set, sharded with pad=False."""
+    import min_ddp
+    return evaluate_prefix(spec["n"], spec["batch"], min_ddp)
+
+
+def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float]:
+    """min_ddp.evaluate on its first n validation samples, in float64.
+
+    float64 because a sample's float32 logits change in the last bits with the batch they are in
+    (matmul picks other kernels), and the ranks batch differently than one process does.
+    """
+    torch.manual_seed(0)
+    model = min_ddp.make_model().double()
+    inputs, labels = min_ddp.make_dataset("val")[:n]
+    data = TensorDataset(inputs.double(), labels)
+    loader = DataLoader(data, batch, sampler=distributed.data_sampler(data, True, False, pad=False))
+    return min_ddp.evaluate(model, loader, torch.device("cpu"))

@@ -1,0 +1,413 @@
+"""Proof that N-process training through distributed.py equals 1-process training.
+
+Every multi-process test runs on real gloo process groups (the session's worker pools, see
+conftest.py), through the project's own data_sampler, reduce and launch machinery.
+
+Tolerances (float64 throughout the training properties):
+- between replicas: bitwise equality (they apply the same all-reduced gradient);
+- N processes vs 1 process: rtol = atol = 1e-9. All-reduce sums gradients in a different order
+  than one big batch does; measured worst case here is 1.2e-10 (Adam on near-zero LM gradients,
+  where normalising by sqrt(v) amplifies rounding), SGD ~1e-16. A real bug shows as >= 1e-3.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import TensorDataset
+
+import distributed
+import min_ddp
+from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, loss_fn,
+                      make_optimizer, one_thread, run_steps, task_eval, task_grads, task_identity,
+                      task_reduce, task_sampler, task_train, train_loader)
+
+RTOL = ATOL = 1e-9
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+worlds = st.integers(1, 4)
+seeds = st.integers(0, 2**16)
+
+
+def training_spec(draw_world: int, **kw) -> dict:
+    return {"epoch": 0, "shuffle": True, "accum": 1, **kw}
+
+
+def reference_training(spec: dict, world: int) -> dict:
+    """One process, same initial model, global batch = the union of the ranks' batches."""
+    with one_thread():
+        model = build_model(spec["kind"], spec["width"], spec["model_seed"])
+        optimizer = make_optimizer(spec["optim"], model, spec["lr"])
+        loader = train_loader(spec, spec["batch"] * world * spec["accum"])
+        return run_steps(model, optimizer, loader, spec["steps"], accum=1)
+
+
+def assert_replicas_equal_and_match_reference(results: list[dict], ref: dict) -> None:
+    for step, expected in enumerate(ref["params"]):
+        for rank, res in enumerate(results):
+            assert torch.equal(res["params"][step], results[0]["params"][step]), \
+                f"rank {rank} diverged from rank 0 at step {step + 1}: replicas must be bitwise equal"
+        torch.testing.assert_close(results[0]["params"][step], expected, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"step {step + 1}: N-process != 1-process\n{m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Training equivalence
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(200))
+@given(world=worlds, kind=st.sampled_from(["mlp", "conv", "lm"]), width=st.integers(2, 6),
+       batch=st.integers(1, 4), steps=st.integers(1, 3), optim=st.sampled_from(["sgd", "momentum", "adam"]),
+       lr=st.sampled_from([0.01, 0.1]), model_seed=seeds, data_seed=seeds, shuffle=st.booleans(),
+       epoch=st.integers(0, 3), extra=st.integers(0, 5))
+def test_n_process_params_equal_one_process_after_every_step(pools, world, kind, width, batch, steps,
+                                                              optim, lr, model_seed, data_seed, shuffle,
+                                                              epoch, extra):
+    spec = {"kind": kind, "width": width, "batch": batch, "steps": steps, "optim": optim, "lr": lr,
+            "model_seed": model_seed, "data_seed": data_seed, "shuffle": shuffle, "epoch": epoch,
+            "accum": 1, "n": steps * batch * world + extra}
+    ref = reference_training(spec, world)
+    initial = param_vector_of(spec)
+    assert (ref["params"][0] - initial).abs().max() > 1e-6, "the step must change the model"
+    assert_replicas_equal_and_match_reference(pools.run(world, task_train, spec), ref)
+
+
+def param_vector_of(spec: dict) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in
+                      build_model(spec["kind"], spec["width"], spec["model_seed"]).parameters()])
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Gradient accumulation with no_sync
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(40))
+@given(world=st.integers(2, 4), accum=st.integers(2, 3), kind=st.sampled_from(["mlp", "lm"]),
+       batch=st.integers(1, 3), steps=st.integers(1, 2), optim=st.sampled_from(["sgd", "adam"]),
+       model_seed=seeds, data_seed=seeds)
+def test_no_sync_accumulation_equals_one_process_over_all_micro_batches(pools, world, accum, kind, batch,
+                                                                        steps, optim, model_seed, data_seed):
+    spec = {"kind": kind, "width": 4, "batch": batch, "steps": steps, "optim": optim, "lr": 0.1,
+            "model_seed": model_seed, "data_seed": data_seed, "shuffle": True, "epoch": 0,
+            "accum": accum, "n": steps * accum * batch * world}
+    results = pools.run(world, task_train, spec)
+    assert_replicas_equal_and_match_reference(results, reference_training(spec, world))
+
+    # Micro-steps stay local: after the first micro-batch each rank holds its own gradient only.
+    order = list(distributed.data_sampler(build_data(kind, spec["n"], data_seed), True, True, seed=data_seed))
+    for rank, res in enumerate(results):
+        local = local_gradient(spec, order[rank::world][:batch]) / accum
+        torch.testing.assert_close(res["first_grad"], local, rtol=RTOL, atol=1e-12)
+    spread = (results[0]["first_grad"] - results[1]["first_grad"]).abs().max()
+    assert spread > 1e-4, f"ranks' micro-step gradients should differ (local, not averaged): {spread}"
+
+
+def local_gradient(spec: dict, indices: list[int], reduction: str = "mean") -> torch.Tensor:
+    with one_thread():
+        model = build_model(spec["kind"], spec["width"], spec["model_seed"])
+        x, y = build_data(spec["kind"], spec["n"], spec["data_seed"])[indices]
+        loss_fn(model, x, y, reduction).backward()
+        return grad_vector(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. data_sampler
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(80))
+@given(world=worlds, n=st.integers(1, 40), shuffle=st.booleans(), pad=st.booleans(), seed=seeds,
+       epoch=st.integers(0, 5), batch=st.integers(1, 4))
+def test_data_sampler_covers_partitions_and_bridges_to_the_global_batch(pools, world, n, shuffle, pad, seed,
+                                                                        epoch, batch):
+    spec = {"n": n, "shuffle": shuffle, "pad": pad, "seed": seed, "epochs": [epoch]}
+    results = pools.run(world, task_sampler, spec)
+    if pad and n < world:
+        for message in results:
+            assert f"has {n} samples but the world size is {world}" in message
+        return
+    shards = [res[0] for res in results]
+    union = [i for shard in shards for i in shard]
+    if pad:
+        assert {len(s) for s in shards} == {math.ceil(n / world)}, "pad=True: equal lengths"
+        assert set(union) == set(range(n)), "pad=True: every sample covered"
+    else:
+        assert sorted(union) == list(range(n)), "pad=False: every sample exactly once"
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    # One permutation shared by all ranks: interleaving the shards rebuilds the 1-process order.
+    data = TensorDataset(torch.arange(n))
+    global_sampler = distributed.data_sampler(data, True, shuffle, seed=seed)
+    global_sampler.set_epoch(epoch)
+    global_order = list(global_sampler)
+    interleaved = [shards[r][i] for i in range(len(shards[0])) for r in range(world) if i < len(shards[r])]
+    assert interleaved[:n] == global_order
+    # Batch bridge: the ranks' step-k batches together are the 1-process step-k global batch.
+    for k in range(n // (batch * world)):
+        together = sorted(i for s in shards for i in s[k * batch:(k + 1) * batch])
+        assert together == sorted(global_order[k * batch * world:(k + 1) * batch * world])
+
+
+def test_set_epoch_reshuffles_and_the_same_epoch_repeats(pools):
+    n = 100
+    orders = pools.run(2, task_sampler, {"n": n, "shuffle": True, "pad": True, "seed": 7,
+                                         "epochs": [0, 1, 2, 0]})[0]
+    for a in range(3):
+        for b in range(a + 1, 3):
+            moved = sum(x != y for x, y in zip(orders[a], orders[b]))
+            assert moved >= 0.8 * len(orders[a]), f"epochs {a} and {b} share too much order ({moved} moved)"
+    assert orders[3] == orders[0], "set_epoch(0) again must give epoch 0's order"
+
+
+def test_padded_sampler_would_count_duplicates_in_evaluation(pools):
+    """Why evaluation uses pad=False: padding makes 10 samples count as 12 across 3 ranks."""
+    padded = pools.run(3, task_sampler, {"n": 10, "shuffle": False, "pad": True, "seed": 0, "epochs": [0]})
+    exact = pools.run(3, task_sampler, {"n": 10, "shuffle": False, "pad": False, "seed": 0, "epochs": [0]})
+    assert sum(len(r[0]) for r in padded) == 12
+    assert sum(len(r[0]) for r in exact) == 10
+
+
+def test_data_sampler_is_none_when_not_distributed():
+    assert distributed.data_sampler(TensorDataset(torch.arange(5)), False, True) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. reduce
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.bool]
+
+
+def expected_reduce(values: list[torch.Tensor], op: str, world: int) -> torch.Tensor:
+    stacked = torch.stack(values)
+    dtype = values[0].dtype
+    if op == "mean":
+        wide = stacked.to(torch.float64) if not dtype.is_floating_point else stacked
+        return wide.sum(0).to(torch.float64 if not dtype.is_floating_point else dtype) / world
+    if op == "sum":
+        return stacked.sum(0).to(torch.int64 if dtype == torch.bool else dtype)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+@settings(max_examples=examples(60))
+@given(world=worlds, op=st.sampled_from(["sum", "mean", "max", "min"]), dtype=st.sampled_from(DTYPES),
+       shape=st.sampled_from([(), (3,), (2, 2)]), seed=seeds)
+def test_reduce_is_exact_on_small_integers_and_keeps_shape_and_dtype(pools, world, op, dtype, shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    low = 0 if dtype in (torch.uint8, torch.bool) else -5
+    high = 2 if dtype == torch.bool else 6
+    values = [torch.randint(low, high, shape, generator=gen).to(dtype) for _ in range(world)]
+    results = pools.run(world, task_reduce, {"values": values, "op": op})
+    expected = expected_reduce(values, op, world)
+    for res in results:
+        assert res["untouched"] and res["is_new"], "reduce must not modify or return its input"
+        assert res["result"].dtype == expected.dtype and res["result"].shape == expected.shape
+        assert torch.equal(res["result"], expected), (res["result"], expected)
+
+
+def test_reduce_accepts_python_numbers(pools):
+    results = pools.run(2, task_reduce, {"values": [3, 4], "op": "sum"})
+    assert all(torch.equal(r["result"], torch.tensor(7)) for r in results)
+    results = pools.run(2, task_reduce, {"values": [0.5, 1.5], "op": "mean"})
+    assert all(r["result"].item() == 1.0 for r in results)
+
+
+def test_reduce_in_one_process_is_a_copy():
+    value = torch.tensor([1.0, 2.0], requires_grad=True)
+    out = distributed.reduce(value, "sum")
+    assert torch.equal(out, value.detach()) and out is not value and not out.requires_grad
+    out += 1
+    assert torch.equal(value.detach(), torch.tensor([1.0, 2.0]))
+    assert distributed.reduce(5, "mean").item() == 5.0
+
+
+@pytest.mark.parametrize("op", ["avg", "SUM", "", None])
+def test_reduce_unknown_op_names_the_op_and_the_choices(op):
+    with pytest.raises(ValueError, match=r"unknown op .* use one of sum, mean, max, min"):
+        distributed.reduce(torch.ones(1), op)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Exact evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(40))
+@given(world=worlds, n=st.integers(1, 300), batch=st.integers(1, 64))
+def test_distributed_validation_equals_one_process_exactly(pools, world, n, batch):
+    """Every sample counted once: accuracy (a ratio of exact counts) is bitwise equal. The loss is
+    a float64 sum of per-sample losses in another order: rtol 1e-12 (measured ~1e-16)."""
+    with one_thread():
+        ref_loss, ref_acc = evaluate_prefix(n, n, min_ddp)
+    for loss, acc in pools.run(world, task_eval, {"n": n, "batch": batch}):
+        assert acc == ref_acc
+        assert loss == pytest.approx(ref_loss, rel=1e-12, abs=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Characterization: the traps must show, with a margin
+# ---------------------------------------------------------------------------------------------
+
+
+def grads_spec(kind: str, sizes: list[int], reduction: str = "mean", scale: list[float] | None = None) -> dict:
+    n = sum(sizes)
+    bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+    return {"kind": kind, "width": 4, "model_seed": 3, "data_seed": 4, "n": n, "reduction": reduction,
+            "indices": [list(range(bounds[r], bounds[r + 1])) for r in range(len(sizes))],
+            "scale": scale or [1.0] * len(sizes)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_summed_loss_makes_gradients_world_size_times_smaller(pools, world):
+    spec = grads_spec("mlp", [4] * world, reduction="sum")
+    ddp_grad = pools.run(world, task_grads, spec)[0]
+    one_process = local_gradient(spec, list(range(spec["n"])), reduction="sum")
+    torch.testing.assert_close(ddp_grad * world, one_process, rtol=RTOL, atol=ATOL)
+    assert (one_process - ddp_grad).abs().max() > 0.4 * one_process.abs().max()
+
+
+def test_unequal_shards_need_rescaling_to_match_one_process(pools):
+    sizes = [1, 5]
+    one_process = local_gradient(grads_spec("mlp", sizes), list(range(6)))
+    plain = pools.run(2, task_grads, grads_spec("mlp", sizes))[0]
+    assert (plain - one_process).abs().max() > 1e-2 * one_process.abs().max(), "mean of means != mean"
+    rescaled = pools.run(2, task_grads, grads_spec("mlp", sizes, scale=[2 * b / 6 for b in sizes]))[0]
+    torch.testing.assert_close(rescaled, one_process, rtol=RTOL, atol=ATOL)
+
+
+def test_plain_batchnorm_differs_from_one_process_but_its_control_does_not(pools):
+    bn = grads_spec("bn", [4, 4])
+    diff = (pools.run(2, task_grads, bn)[0] - local_gradient(bn, list(range(8)))).abs().max()
+    assert diff > 1e-3, f"local BatchNorm statistics should change the gradient (diff {diff})"
+    mlp = grads_spec("mlp", [4, 4])
+    torch.testing.assert_close(pools.run(2, task_grads, mlp)[0], local_gradient(mlp, list(range(8))),
+                               rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Identity and the end-to-end job
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exactly_one_primary_and_ranks_are_distinct(pools, world):
+    results = pools.run(world, task_identity, {})
+    assert [r["primary"] for r in results].count(True) == 1 and results[0]["primary"]
+    assert [r["rank"] for r in results] == list(range(world))
+    assert {r["world"] for r in results} == {world} and {r["mode"] for r in results} == {"spawn"}
+
+
+def test_helpers_behave_as_one_process_before_init():
+    assert (distributed.get_rank(), distributed.get_world_size(), distributed.is_primary()) == (0, 1, True)
+    assert distributed.launch_mode() == "single"
+    distributed.barrier()
+    distributed.cleanup()
+    distributed.cleanup()
+
+
+def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """Processes whose environment carries ``marker``: the launcher's whole tree inherits it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
+    marker = f"DDP_TEST_MARKER={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("mode=spawn world=2 backend=gloo device=cpu")
+    assert any(line.startswith("[rank 0] epoch 1 step 64/128") for line in lines)
+    assert any(line.startswith("[rank 1] epoch 1 step 64/128") for line in lines)
+    assert any(line.startswith("[global] epoch 1 step 64/128") for line in lines)
+    done = dict(kv.split("=") for kv in lines[-1].removeprefix("done: ").split())
+    assert lines[-1].startswith("done: ") and done["world"] == "2" and done["epochs"] == "2"
+    assert float(done["val_acc"]) >= 0.90 and float(done["samples_per_s"]) > 0
+    assert {"train_loss", "val_loss"} <= done.keys()
+    assert leftover_processes(marker) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the value and the fix, before anything starts
+# ---------------------------------------------------------------------------------------------
+
+
+def _noop_worker(local_rank: int, world_size: int) -> None:
+    pass
+
+
+@pytest.mark.parametrize("nprocs", [0, -2, 1.5, "2", True])
+def test_launch_rejects_bad_nprocs(nprocs):
+    with pytest.raises(ValueError, match=re.escape(f"got: {nprocs!r}")):
+        distributed.launch(_noop_worker, nprocs=nprocs)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0"}, "RANK set but WORLD_SIZE, LOCAL_RANK not"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "WORLD_SIZE, LOCAL_RANK set but RANK not"),
+    ({"RANK": "one", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK must be an integer, got: 'one'"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "rank=2, local_rank=0, world_size=2"),
+])
+def test_malformed_launcher_environment_is_named(monkeypatch, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(message)):
+        distributed.launch(_noop_worker)
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(message)):
+        distributed.init_process_group(0, 1)
+
+
+def test_init_without_launcher_for_a_world_above_one_says_how_to_start():
+    with pytest.raises(ValueError, match="world_size=2 but no launcher environment"):
+        distributed.init_process_group(0, 2)
+
+
+def test_single_process_init_creates_no_group_and_is_idempotent():
+    assert distributed.init_process_group(0, 1) == torch.device("cpu")
+    assert distributed.init_process_group(0, 1) == torch.device("cpu")
+    assert not torch.distributed.is_initialized()
+
+
+def test_launch_rejects_a_lambda_before_starting_anything():
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        distributed.launch(lambda rank, world: None, nprocs=2)
+
+
+@pytest.mark.parametrize("flag, value", [("--batch-size", "0"), ("--epochs", "-1"), ("--nprocs", "0"),
+                                         ("--lr", "0")])
+def test_min_ddp_rejects_non_positive_settings(flag, value):
+    out = run_script(["min_ddp.py", flag, value], timeout=60)
+    assert out.returncode == 2 and f"got: {value}" in out.stderr and flag in out.stderr
+
+
+def test_min_ddp_config_file_and_flags_override(tmp_path):
+    config = tmp_path / "cfg.json"
+    config.write_text('{"epochs": 3, "lr": 0.5, "batch_size": 16}')
+    args = min_ddp.parse_args(["--config", str(config), "--lr", "0.25"])
+    assert (args.epochs, args.lr, args.batch_size) == (3, 0.25, 16)
+    config.write_text('{"epoch": 3}')
+    with pytest.raises(SystemExit):
+        min_ddp.parse_args(["--config", str(config)])
