@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection
 import os
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -47,6 +49,7 @@ def examples(n: int) -> int:
     return n * (5 if PROFILE == "dev" else 1)
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 TASK_TIMEOUT_S = 60.0   # a task that takes longer is a hang: the pool is killed and the test fails
 WORKER_PG_TIMEOUT_S = 30.0  # a collective stuck longer than this fails inside the workers too
 
@@ -336,3 +339,30 @@ def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float]:
     data = TensorDataset(inputs.double(), labels)
     loader = DataLoader(data, batch, sampler=distributed.data_sampler(data, True, False, pad=False))
     return min_ddp.evaluate(model, loader, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes: run a command with a timeout; find what a process tree left behind
+# ---------------------------------------------------------------------------------------------
+
+
+def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python *args`` in the repository, with a timeout so a hang fails instead of blocking."""
+    return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker``: a launcher's whole tree inherits it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if marker.encode() in environ and not zombie and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found

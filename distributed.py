@@ -110,7 +110,7 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) ->
     if env is not None:
         _under_launcher(worker, env)(env.local_rank, env.world_size, *args)
         return
-    nprocs = _resolve_nprocs(nprocs)
+    nprocs = _resolve_nprocs(nprocs, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if nprocs == 1:
         worker(0, 1, *args)
         return
@@ -398,8 +398,8 @@ def _under_launcher(worker: Callable[..., Any], env: _Launcher) -> Callable[...,
     return worker
 
 
-def _resolve_nprocs(nprocs: int | None) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
+    """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
     if nprocs is None:
         return max(gpus, 1)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -532,8 +532,8 @@ def _expand_host(item: str) -> list[str]:
     head, tail = item[: match.start()], item[match.end():]
     out = []
     for part in match.group(1).split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
             raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
         for n in range(int(lo), int(hi or lo) + 1):
             out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
@@ -693,6 +693,9 @@ def _exception_from_report(rank: int, report: dict) -> BaseException:
     if "traceback" not in report:
         return WorkerFailed(report["message"], rank)
     note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
+    if re.search(r"Timed out|timed out|Timeout", report["traceback"]):
+        note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
+                 " raise it with init_process_group(..., timeout=seconds)).")
     try:
         error = pickle.loads(report["exception"])
     except Exception:

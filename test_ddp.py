@@ -12,10 +12,7 @@ Tolerances (float64 throughout the training properties):
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -26,12 +23,11 @@ from torch.utils.data import TensorDataset
 
 import distributed
 import min_ddp
-from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, loss_fn,
-                      make_optimizer, one_thread, run_steps, task_eval, task_grads, task_identity,
-                      task_reduce, task_sampler, task_train, train_loader)
+from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
+                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_eval, task_grads,
+                      task_identity, task_reduce, task_sampler, task_train, train_loader)
 
 RTOL = ATOL = 1e-9
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 worlds = st.integers(1, 4)
 seeds = st.integers(0, 2**16)
@@ -313,24 +309,6 @@ def test_helpers_behave_as_one_process_before_init():
     distributed.barrier()
     distributed.cleanup()
     distributed.cleanup()
-
-
-def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def leftover_processes(marker: str) -> list[int]:
-    """Processes whose environment carries ``marker``: the launcher's whole tree inherits it."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):

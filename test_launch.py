@@ -1,0 +1,443 @@
+"""Launching that never hangs or orphans: real processes, real signals, real torchrun and SLURM.
+
+Every test starts real launchers with a timeout and checks the process tree afterwards: every
+process a launcher starts inherits a unique marker in its environment, so leftovers are found by
+scanning /proc, not guessed from exit codes. Latency is measured in bench.py, not asserted here;
+the tests allow generous deadlines so that a wrong behaviour (a hang, an orphan) fails them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed
+from conftest import HERE, leftover_processes, run_script
+
+# A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]
+JOB = textwrap.dedent('''
+    import os, signal, sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed as dist
+
+    def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
+        dist.init_process_group(local_rank, world_size, timeout=timeout)
+        dist.reduce(torch.ones(1))                      # everyone is connected
+        rank = dist.get_rank()
+        open(os.path.join(ready_dir, f"ready{{rank}}"), "w").close()
+        if behaviour == "raise" and rank == bad_rank:
+            time.sleep(0.2)                             # the others are already waiting below
+            raise ValueError(f"root cause on rank {{rank}}")
+        if behaviour == "sigkill" and rank == bad_rank:
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if behaviour == "hang" and rank == bad_rank:
+            time.sleep(3600)
+        if behaviour == "wait":
+            time.sleep(3600)
+        dist.reduce(torch.ones(1))                      # where the healthy ranks wait
+        dist.print_primary("job ok")
+        dist.cleanup()
+
+    if __name__ == "__main__":
+        behaviour, bad_rank, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
+        dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs)
+''')
+
+
+class Job:
+    """A launcher started in its own session, with a unique marker inherited by its whole tree."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None, command: list[str] | None = None):
+        self.marker = uuid.uuid4().hex
+        self.ready_dir = tmp_path / f"ready-{self.marker}"
+        self.ready_dir.mkdir()
+        script = tmp_path / "job.py"
+        if not script.exists():  # written once: rewriting it would race with launchers reading it
+            script.write_text(JOB.format(repo=HERE))
+        full_env = {**os.environ, "DDP_TEST_MARKER": self.marker, "READY_DIR": str(self.ready_dir), **(env or {})}
+        self.proc = subprocess.Popen(command or [sys.executable, str(script), *args], cwd=tmp_path,
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+
+    def wait_ready(self, ranks: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(list(self.ready_dir.iterdir())) < ranks:
+            assert self.proc.poll() is None, f"launcher exited early: {self.proc.communicate()}"
+            assert time.monotonic() < deadline, "ranks did not start in time"
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, err = self.proc.communicate()
+            pytest.fail(f"the launcher hung (killed after {timeout} s)\nstdout:\n{out}\nstderr:\n{err}")
+        return self.proc.returncode, out, err
+
+    def leftovers(self, within: float = 5.0) -> list[int]:
+        """Processes of this job still alive after ``within`` seconds (polled: none is the goal)."""
+        deadline = time.monotonic() + within
+        while (left := leftover_processes(f"DDP_TEST_MARKER={self.marker}")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    def kill_all(self) -> None:
+        for pid in leftover_processes(f"DDP_TEST_MARKER={self.marker}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+
+    def start(*args, **kw) -> Job:
+        jobs.append(Job(tmp_path, *args, **kw))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:  # never leave a process behind, even when a test fails
+        j.kill_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1-2. A failing rank ends the whole job, and the report names the root cause
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nprocs, bad_rank", [(2, 1), (4, 2), (3, 0)])
+def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
+    j = job("raise", str(bad_rank), str(nprocs))
+    code, out, err = j.finish()
+    assert code == 1
+    final = err.strip().splitlines()
+    assert final[final.index(next(l for l in final if l.startswith("ValueError")))] == \
+        f"ValueError: root cause on rank {bad_rank}"
+    assert f"[rank {bad_rank}] failed first; its traceback:" in err
+    # The collateral errors of the waiting ranks are not the report.
+    assert "Connection closed" not in err and "Connection reset" not in err
+    assert j.leftovers() == []
+
+
+def test_rank_killed_by_a_signal_is_named(job):
+    j = job("sigkill", "1", "3")
+    code, out, err = j.finish()
+    assert code == 1
+    assert "WorkerFailed: rank 1 was killed by signal SIGKILL" in err
+    assert j.leftovers() == []
+
+
+def test_hung_rank_makes_the_others_fail_with_a_timeout_error(job):
+    j = job("hang", "1", "2", "3")  # a 3-second collective timeout
+    code, out, err = j.finish(timeout=60)
+    assert code == 1
+    assert "[rank 0] failed first" in err and "Timed out" in err
+    assert "A collective timed out: another rank is probably stuck" in err
+    assert j.leftovers() == []
+
+
+def test_min_ddp_timeout_flag_reaches_the_process_group(tmp_path):
+    out = run_script(["min_ddp.py", "--timeout", "0", "--epochs", "1"], timeout=60)
+    assert out.returncode == 2 and "--timeout" in out.stderr and "got: 0" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-5. Signals to the launcher, and its death: no worker survives
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig, expected_code", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, -signal.SIGTERM)])
+def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code):
+    """`kill -INT <launcher pid>` / `kill -TERM`: the launcher dies of that signal (shell: 130 / 143)."""
+    j = job("wait", "0", "2")
+    j.wait_ready(2)
+    os.kill(j.proc.pid, sig)
+    code, out, err = j.finish()
+    assert code in (expected_code, 128 - expected_code), err
+    assert j.leftovers() == []
+
+
+def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job):
+    """Ctrl-C in a terminal signals the whole foreground group; workers leave it to the launcher."""
+    j = job("wait", "0", "2")
+    j.wait_ready(2)
+    os.killpg(j.proc.pid, signal.SIGINT)
+    code, out, err = j.finish()
+    assert code in (-signal.SIGINT, 130)
+    assert err.count("KeyboardInterrupt") <= 1, "only the launcher reports the interrupt"
+    assert j.leftovers() == []
+
+
+def test_workers_die_with_a_sigkilled_launcher(job):
+    j = job("wait", "0", "3")
+    j.wait_ready(3)
+    os.kill(j.proc.pid, signal.SIGKILL)
+    j.finish()
+    assert j.leftovers() == [], "workers outlived their SIGKILLed launcher"
+
+
+def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
+    script = tmp_path / "job.py"
+    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(script), "wait", "0", "2"])
+    j.wait_ready(2)
+    os.kill(j.proc.pid, signal.SIGKILL)
+    j.finish()
+    assert j.leftovers() == [], "torchrun workers outlived their SIGKILLed agent"
+
+
+def test_normal_run_leaves_no_process_behind(job):
+    j = job("ok", "0", "3")
+    code, out, err = j.finish()
+    assert code == 0 and "job ok" in out, err
+    assert j.leftovers(within=0) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Rendezvous: no port races, explicit ports respected, loopback only
+# ---------------------------------------------------------------------------------------------
+
+
+def test_twenty_jobs_launched_at_once_all_succeed(job, pools):
+    pools.close()  # free the harness's workers' memory: 60 more torch processes start here
+    jobs = [job("ok", "0", "2") for _ in range(20)]
+    results = [j.finish(timeout=300) for j in jobs]
+    failures = [(code, err[-2000:]) for code, out, err in results if code != 0 or "job ok" not in out]
+    assert failures == [], failures[0]
+    assert all(j.leftovers(within=0) == [] for j in jobs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_explicit_master_port_is_used(job):
+    port = free_port()
+    j = job("wait", "0", "2", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    j.wait_ready(2)
+    # torch's TCPStore binds every interface; only the default file rendezvous is loopback-only.
+    assert port in {p for _, p in listening_sockets(leftover_processes(f"DDP_TEST_MARKER={j.marker}"))}
+    os.kill(j.proc.pid, signal.SIGTERM)
+    j.finish()
+
+
+def test_busy_explicit_master_port_is_a_clear_error(job):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        j = job("ok", "0", "2", env={"MASTER_PORT": str(port)})
+        code, out, err = j.finish()
+    assert code == 1
+    assert f"MASTER_PORT={port}" in err and "unset MASTER_PORT" in err
+    assert j.leftovers(within=0) == []
+
+
+def test_local_job_listens_on_loopback_only(job):
+    j = job("wait", "0", "3")
+    j.wait_ready(3)
+    sockets = listening_sockets(leftover_processes(f"DDP_TEST_MARKER={j.marker}"))
+    os.kill(j.proc.pid, signal.SIGTERM)
+    j.finish()
+    assert sockets, "gloo should listen on some loopback port"
+    assert all(addr.startswith("127.") for addr, _ in sockets), sockets
+
+
+def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state owned by ``pids`` (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table, decode in (("/proc/net/tcp", _ipv4), ("/proc/net/tcp6", _ipv6)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                    addr, port = fields[1].split(":")
+                    found.add((decode(addr), int(port, 16)))
+    return found
+
+
+def _ipv4(hex_addr: str) -> str:
+    return socket.inet_ntop(socket.AF_INET, bytes.fromhex(hex_addr)[::-1])
+
+
+def _ipv6(hex_addr: str) -> str:
+    raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, 32, 8))
+    text = socket.inet_ntop(socket.AF_INET6, raw)
+    return text.removeprefix("::ffff:") if text.startswith("::ffff:") else text
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Pre-flight: a clear error before any process starts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_nested_function_is_rejected_before_spawning():
+    def nested(rank, world):
+        pass
+
+    with pytest.raises(TypeError, match="not a lambda or nested function"):
+        distributed.launch(nested, nprocs=2)
+
+
+def test_script_without_main_guard_is_rejected(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import sys; sys.path.insert(0, {HERE!r})\nimport distributed\n"
+                      "def worker(rank, world):\n    pass\n"
+                      "distributed.launch(worker, nprocs=2)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert 'has no `if __name__ == "__main__":` guard' in out.stderr
+
+
+@pytest.mark.parametrize("nprocs, gpus, ok", [(None, 0, 1), (None, 4, 4), (2, 4, 2), (3, 0, 3), (5, 4, None)])
+def test_nprocs_against_visible_gpus(nprocs, gpus, ok):
+    if ok is None:
+        with pytest.raises(ValueError, match=f"nprocs={nprocs} but only {gpus} GPU"):
+            distributed._resolve_nprocs(nprocs, gpus)
+    else:
+        assert distributed._resolve_nprocs(nprocs, gpus) == ok
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. torchrun, one host and two agents, gives the same model as launch()
+# ---------------------------------------------------------------------------------------------
+
+TRAIN = ["min_ddp.py", "--epochs", "2", "--log-every", "1000", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def spawn_model(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("spawn") / "model.pt"
+    out = run_script([*TRAIN, "--nprocs", "2", "--save-model", str(path)])
+    assert out.returncode == 0, out.stderr
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_model(path: Path, reference: dict) -> None:
+    model = torch.load(path, weights_only=True)
+    assert model.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(model[key], reference[key]), f"{key} differs from the spawn run"
+
+
+def test_torchrun_standalone_gives_the_bitwise_same_model(spawn_model, tmp_path):
+    path = tmp_path / "model.pt"
+    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", *TRAIN, "--save-model", str(path)],
+                         cwd=HERE, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("mode=torchrun world=2")
+    assert_same_model(path, spawn_model)
+
+
+def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path):
+    port, path = free_port(), tmp_path / "model.pt"
+    agents = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test{port}",
+                                *TRAIN, "--save-model", str(path)],
+                               cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               # Bitwise equality needs the same kernels: one thread per process, as
+                               # launch() gives 2 processes on 2 cores (torchrun sets it only for >1/node).
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+              for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], [err[-2000:] for _, err in outputs]
+    primaries = [out for out, _ in outputs if "done:" in out]
+    assert len(primaries) == 1, "exactly one agent's worker is the global primary"
+    assert "[rank 0]" in primaries[0] and "[rank 1]" in primaries[0], "distinct global ranks 0 and 1"
+    assert "mode=torchrun world=2" in primaries[0]
+    assert_same_model(path, spawn_model)
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. SLURM
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hostlist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-03,7],gpu-a", ["node01", "node02", "node03", "node7", "gpu-a"]),
+    ("a[8-10]", ["a8", "a9", "a10"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("x[001-002],y,z[5]", ["x001", "x002", "y", "z5"]),
+])
+def test_expand_hostlist(hostlist, hosts):
+    assert distributed.expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["", "node[a-b]", "node[1-]"])
+def test_expand_hostlist_rejects_malformed_lists(bad):
+    with pytest.raises(ValueError, match="expand_hostlist"):
+        distributed.expand_hostlist(bad)
+
+
+def slurm_unavailable() -> str | None:
+    """Why SLURM tests cannot run here, or None when a local cluster answers."""
+    if not shutil_which("srun"):
+        return "srun is not installed (CI installs SLURM with `bash .ci/slurm up`)"
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout:
+        return f"no idle SLURM node answers (sinfo: {out.stdout.strip() or out.stderr.strip()}); run `bash .ci/slurm up`"
+    return None
+
+
+def shutil_which(name: str) -> str | None:
+    import shutil
+    return shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = slurm_unavailable()
+    if reason:
+        print(f"\nSKIPPING SLURM TESTS: {reason}")
+        pytest.skip(reason)
+
+
+def test_srun_gives_the_bitwise_same_model(slurm, spawn_model, tmp_path):
+    path = tmp_path / "model.pt"
+    out = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, *TRAIN,
+                          "--save-model", str(path)], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "mode=slurm world=2" in out.stdout
+    assert_same_model(path, spawn_model)
+
+
+def test_sbatch_script_outside_srun_is_not_mistaken_for_a_rank(monkeypatch):
+    """An sbatch script's batch step has SLURM_PROCID=0 and SLURM_NTASKS=N but is not a rank."""
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("SLURM_STEPID", raising=False)
+    assert distributed.launch_mode() == "single"
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert distributed.launch_mode() == "slurm"
