@@ -139,6 +139,7 @@ def init_process_group(
     one outside any launcher creates no group: every helper here then behaves as one process.
     ``timeout`` (a timedelta or seconds; default ``DEFAULT_TIMEOUT``) bounds every collective, so a
     hung rank makes the others fail with a timeout error instead of waiting 30 minutes.
+    Under SLURM the rank uses SLURM_CPUS_PER_TASK threads unless OMP_NUM_THREADS is set.
     """
     device = _device_for(local_rank)
     if dist.is_available() and dist.is_initialized():
@@ -159,6 +160,8 @@ def init_process_group(
         )
     if env.mode == "torchrun":
         _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
+    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
+        torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
         backend,

@@ -425,7 +425,8 @@ def slurm():
 
 def test_srun_gives_the_bitwise_same_model(slurm, spawn_model, tmp_path):
     path = tmp_path / "model.pt"
-    out = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, *TRAIN,
+    # -c 1: one thread per task (init_process_group honours SLURM_CPUS_PER_TASK), like launch() here.
+    out = subprocess.run(["srun", "-n", "2", "-c", "1", "--kill-on-bad-exit=1", sys.executable, *TRAIN,
                           "--save-model", str(path)], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "mode=slurm world=2" in out.stdout
@@ -441,3 +442,15 @@ def test_sbatch_script_outside_srun_is_not_mistaken_for_a_rank(monkeypatch):
     assert distributed.launch_mode() == "single"
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert distributed.launch_mode() == "slurm"
+
+
+def test_readme_sbatch_example_runs(slurm, tmp_path):
+    readme = Path(HERE, "README.md").read_text()
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S).group(1)
+    (tmp_path / "job.sbatch").write_text(script)
+    log = tmp_path / "slurm.out"
+    out = subprocess.run(["sbatch", "--wait", f"--chdir={HERE}", f"--output={log}", str(tmp_path / "job.sbatch")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stderr, log.read_text() if log.exists() else "")
+    text = log.read_text()
+    assert "mode=slurm world=2" in text and "done: world=2 epochs=2" in text, text
