@@ -42,6 +42,7 @@ settings.load_profile(PROFILE)
 def pytest_configure(config: pytest.Config) -> None:
     # libcst (pulled in by a plugin on some machines) warns about its own imports: not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:libcst.*")
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def examples(n: int) -> int:
@@ -366,3 +367,24 @@ def leftover_processes(marker: str) -> list[int]:
         if marker.encode() in environ and not zombie and int(pid) != os.getpid():
             found.append(int(pid))
     return found
+
+
+def task_min_ddp(spec: dict) -> None:
+    """min_ddp's own training loop, in a pool worker, with the given command-line flags."""
+    import min_ddp
+    min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
+
+
+def task_save_ddp_state(spec: dict) -> None:
+    """Every rank calls save_checkpoint with a DDP-wrapped model's state (keys start with module.)."""
+    model = DDP(build_model("mlp", 4, 0))
+    distributed.save_checkpoint({"model": model.state_dict()}, spec["path"])
+
+
+def task_save_expecting_error(spec: dict) -> str:
+    """save_checkpoint where the primary cannot write: every rank must raise, none may hang."""
+    try:
+        distributed.save_checkpoint({"x": torch.ones(1)}, spec["path"])
+    except OSError as e:
+        return str(e)
+    return "no error"

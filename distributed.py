@@ -58,6 +58,9 @@ __all__ = [
     "print_primary",
     "print_ranked",
     "cleanup",
+    "save_checkpoint",
+    "load_checkpoint",
+    "unwrap",
     "expand_hostlist",
     "WorkerFailed",
     "DEFAULT_TIMEOUT",
@@ -165,11 +168,11 @@ def init_process_group(
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
         backend,
-        init_method=_init_method(env),
         rank=env.rank,
         world_size=env.world_size,
         timeout=_as_timedelta(timeout),
         device_id=device if backend == "nccl" else None,
+        **_rendezvous(env, _as_timedelta(timeout)),
     )
     return device
 
@@ -277,6 +280,74 @@ def cleanup() -> None:
         # an active exception"; 4 in 10 runs here). https://github.com/pytorch/pytorch/pull/179291
         gc.collect()
         dist.destroy_process_group()
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """Write ``state`` to ``path`` atomically; must be called on all ranks.
+
+    The primary writes a temporary file in the same directory, flushes and fsyncs it, and renames
+    it over ``path``: a crash at any moment leaves either the previous file or the new one, never a
+    mix. Every rank then waits for the primary, so nobody reads a half-written file, and a failed
+    write raises the same OSError on every rank instead of leaving the others waiting.
+    Model weights are stored without DDP's ``module.`` / torch.compile's ``_orig_mod.`` prefixes.
+    Only what ``torch.load(weights_only=True)`` can read is accepted (tensors, numbers, strings,
+    and dicts, lists and tuples of them); anything else is a TypeError before writing.
+    """
+    state = _strip_wrapper_prefixes(state)
+    _check_weights_only(state, "state")
+    failure = None
+    if is_primary():
+        try:
+            _atomic_save(state, os.fspath(path))
+        except OSError as e:
+            failure = (e.errno, e.strerror or str(e))
+    if get_world_size() > 1:
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    if failure is not None:
+        errno, reason = failure
+        raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "
+                             "untouched: check the directory exists and is writable", os.fspath(path))
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:
+    """The dict saved at ``path`` (on this rank's device by default), or None if there is no file.
+
+    Loads with ``weights_only=True``: a file whose pickle would construct arbitrary objects (and
+    so could run code) is refused. A corrupt or truncated file is an error naming it, never a
+    silent fresh start.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return None
+    location = map_location if map_location is not None else _current_device()
+    try:
+        state = torch.load(path, map_location=location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise _corrupt(path, e) from e
+        raise pickle.UnpicklingError(
+            f"refusing to load {path}: it holds objects other than tensors and plain containers, "
+            "and unpickling them could run code (weights_only=True). Load it with torch.load("
+            "weights_only=False) only if you trust where it came from"
+        ) from e
+    except Exception as e:  # a damaged file fails anywhere in torch's readers, with any exception
+        raise _corrupt(path, e) from e
+    if not isinstance(state, dict):
+        raise RuntimeError(f"the snapshot {path} holds a {type(state).__name__}, not a dict")
+    return _strip_wrapper_prefixes(state)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -506,14 +577,23 @@ def _device_for(local_rank: int) -> torch.device:
     return device
 
 
-def _init_method(env: _Launcher) -> str:
+def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
+    """init_process_group's init_method= or store= for this launcher."""
     if env.mode == "spawn":
-        return os.environ[_INIT_METHOD_ENV]
+        return {"init_method": os.environ[_INIT_METHOD_ENV]}
     if env.mode == "slurm":
         addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
         port = os.environ.get("MASTER_PORT") or str(_slurm_master_port())
-        return f"tcp://{addr}:{port}"
-    return "env://"
+        return {"init_method": f"tcp://{addr}:{port}"}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts, and env:// uses the same keys every
+        # attempt: restarted ranks can read the dead attempt's addresses and fail to connect
+        # (seen here in 1 of 2 --max-restarts runs). https://github.com/pytorch/pytorch/issues/135712
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
+    return {"init_method": "env://"}
 
 
 def _slurm_master_addr() -> str:
@@ -526,6 +606,65 @@ def _slurm_master_addr() -> str:
 def _slurm_master_port() -> int:
     """A port every task of the job derives alike from the job id (override with MASTER_PORT)."""
     return 20000 + _env_int("SLURM_JOB_ID") % 20000
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WEIGHTS_ONLY_LEAVES = (torch.Tensor, int, float, complex, str, bytes, bool, type(None),
+                        torch.dtype, torch.device, torch.Size)
+
+
+def _strip_wrapper_prefixes(obj: Any) -> Any:
+    """A state dict whose keys *all* carry a wrapper's prefix gets them removed (recursively)."""
+    if not isinstance(obj, dict):
+        return obj
+    keys = list(obj)
+    while keys and all(isinstance(k, str) for k in keys):
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            break
+        obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
+        keys = list(obj)
+    return type(obj)((k, _strip_wrapper_prefixes(v)) for k, v in obj.items())
+
+
+def _check_weights_only(obj: Any, where: str) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_weights_only(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for i, value in enumerate(obj):
+            _check_weights_only(value, f"{where}[{i}]")
+    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
+        raise TypeError(
+            f"save_checkpoint: {where} is a {type(obj).__qualname__}, which torch.load(weights_only="
+            "True) refuses to read back; store tensors, numbers, strings, or dicts/lists of them "
+            "(e.g. vars(args) instead of an argparse.Namespace)"
+        )
+
+
+def _atomic_save(state: dict, path: str) -> None:
+    tmp = f"{path}.tmp"  # fixed name: a crashed save leaves one stray file, overwritten next time
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def _corrupt(path: str, error: Exception) -> RuntimeError:
+    return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
+                        f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _expand_host(item: str) -> list[str]:

@@ -6,6 +6,7 @@
     srun -n 2 python min_ddp.py                         # ... and under SLURM
     python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then
     python min_ddp.py --config cfg.json --epochs 3      # flags override the file
+    python min_ddp.py --snapshot run.pt --epochs 10     # resumes from run.pt if it exists
 
 Every --log-every steps each rank prints its own loss/accuracy and the primary prints the global
 ones (weighted by sample counts). Every epoch the whole validation set is evaluated exactly once
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import tempfile
 import time
 
 import torch
@@ -43,8 +46,9 @@ def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> N
 def train(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = make_model().to(device)
-    ddp_model = wrap(model, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    first_epoch, train_loss = resume(args, model, optimizer)
+    ddp_model = wrap(model, device)
     # Also distributed in a world of one: then its order is the global order of every world size.
     train_sampler = dist.data_sampler(make_dataset("train"), True, shuffle=True, seed=args.seed)
     train_loader = DataLoader(make_dataset("train"), args.batch_size, sampler=train_sampler)
@@ -52,18 +56,24 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                             sampler=dist.data_sampler(make_dataset("val"), True, False, pad=False))
     dist.print_primary(banner(device))
     started, samples = time.perf_counter(), 0
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle every epoch
         train_loss = train_epoch(ddp_model, train_loader, optimizer, args, epoch)
         samples += len(train_loader.dataset)
         val_loss, val_acc = evaluate(model, val_loader, device)
         elapsed = time.perf_counter() - started
+        done = epoch + 1 - first_epoch
         dist.print_primary(
             f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {val_acc:.4f} | "
-            f"{samples / elapsed:.0f} samples/s | eta {elapsed / (epoch + 1) * (args.epochs - epoch - 1):.1f}s"
+            f"{samples / elapsed:.0f} samples/s | eta {elapsed / done * (args.epochs - epoch - 1):.1f}s"
         )
+        if args.snapshot and ((epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs):
+            dist.save_checkpoint(snapshot(model, optimizer, epoch + 1, train_loss, args), args.snapshot)
+    if first_epoch >= args.epochs:  # the snapshot has every epoch already: report its model
+        val_loss, val_acc = evaluate(model, val_loader, device)
     if args.save_model:
-        save_model(model, args.save_model)
+        dist.save_checkpoint(model.state_dict(), args.save_model)
+    elapsed = time.perf_counter() - started
     dist.print_primary(
         f"done: world={dist.get_world_size()} epochs={args.epochs} train_loss={train_loss:.4f} "
         f"val_loss={val_loss:.4f} val_acc={val_acc:.4f} samples_per_s={samples / elapsed:.0f}"
@@ -150,13 +160,64 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
     return loss_sum / count, correct / count
 
 
-def save_model(model: nn.Module, path: str) -> None:
-    """The primary writes the plain module's weights atomically; every rank waits until it is done."""
-    if dist.is_primary():
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, path)
-    dist.barrier()
+# ----------------------------------------------------------------------------------------------
+# Snapshots: everything an exact resume needs, all loadable with weights_only=True
+# ----------------------------------------------------------------------------------------------
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_run: int, train_loss: float,
+             args: argparse.Namespace) -> dict:
+    """The data order needs no state: the sampler derives it from the seed and the epoch."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epochs_run,
+            "train_loss": train_loss, "rng": gather_rng_states(), "settings": resume_settings(args)}
+
+
+def resume_settings(args: argparse.Namespace) -> dict:
+    """What must match for a resume to continue the same run (world size alone may change)."""
+    return {"seed": args.seed, "global_batch": args.batch_size * dist.get_world_size() * args.grad_accum,
+            "world_size": dist.get_world_size()}
+
+
+def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float]:
+    """Load --snapshot if it exists; return (epochs already run, their last training loss)."""
+    state = dist.load_checkpoint(args.snapshot) if args.snapshot else None
+    if state is None:
+        return 0, math.nan
+    check_compatible(state, args)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(f"--snapshot {args.snapshot} holds a different model or optimizer than this "
+                         f"script builds ({e}); use another --snapshot path") from e
+    rng = state["rng"]
+    torch.set_rng_state(rng[dist.get_rank()] if len(rng) == dist.get_world_size() else rng[0])
+    dist.print_primary(f"resumed from {args.snapshot} after {state['epochs_run']} epoch(s)")
+    return state["epochs_run"], state["train_loss"]
+
+
+def check_compatible(state: dict, args: argparse.Namespace) -> None:
+    missing = {"model", "optimizer", "epochs_run", "train_loss", "rng", "settings"} - state.keys()
+    if missing:
+        raise ValueError(f"--snapshot {args.snapshot} is not a min_ddp snapshot (missing {sorted(missing)})")
+    saved, now = state["settings"], resume_settings(args)
+    for key, hint in (("seed", "--seed"), ("global_batch", "--batch-size x processes x --grad-accum")):
+        if saved[key] != now[key]:
+            raise ValueError(
+                f"--snapshot {args.snapshot} was written with {key}={saved[key]} (world size "
+                f"{saved['world_size']}), this run has {key}={now[key]}: resuming would not continue the "
+                f"same run. Keep {hint} equal to the snapshot's, or use another --snapshot path"
+            )
+
+
+def gather_rng_states() -> list[torch.Tensor]:
+    """Every rank's CPU generator state (collective): all ranks resume their own random stream."""
+    states = [None] * dist.get_world_size()
+    if dist.get_world_size() > 1:
+        torch.distributed.all_gather_object(states, torch.get_rng_state())
+    else:
+        states = [torch.get_rng_state()]
+    return states
 
 
 def banner(device: torch.device) -> str:
@@ -197,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds a collective may wait for a stuck rank before failing")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the final weights here")
+    p.add_argument("--snapshot", default=None, metavar="PATH",
+                   help="save training state here, and resume from it if it exists")
+    p.add_argument("--save-every", type=positive_int, default=1, help="epochs between snapshots")
     p.add_argument("--config", default=None, metavar="FILE.json", help="settings from JSON; flags override")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
     return p
@@ -208,7 +272,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config:
         parser.set_defaults(**read_config(args.config, parser))
         args = parser.parse_args(argv)  # the command line wins over the file
+    for flag, path in (("--snapshot", args.snapshot), ("--save-model", args.save_model)):
+        if path:
+            check_writable(flag, path, parser)
     return args
+
+
+def check_writable(flag: str, path: str, parser: argparse.ArgumentParser) -> None:
+    """Fail before training, not after hours of it, when the file could never be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot write in {directory} ({e.strerror}); "
+                     "create the directory, make it writable, or choose another path")
 
 
 def read_config(path: str, parser: argparse.ArgumentParser) -> dict:

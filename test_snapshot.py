@@ -1,0 +1,291 @@
+"""Snapshots that never lose work: atomic save, weights-only load, bitwise resume, restarts.
+
+Resume tests run min_ddp's real training loop inside the session's gloo worker pools (no process
+start-up per run); the restart test uses real torchrun with --max-restarts; the crash test kills a
+real saving process with SIGKILL at 100 random points.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed
+from conftest import (HERE, build_model, run_script, task_min_ddp, task_save_ddp_state,
+                      task_save_expecting_error)
+
+EPOCHS = 3
+TRAIN = ["--log-every", "100000", "--seed", "5", "--epochs"]
+
+
+def train_in_pool(pools, world: int, epochs: int, *flags: str) -> None:
+    batch = ["--batch-size", str(128 // world)]  # the same global batch in every world size
+    pools.run(world, task_min_ddp, {"argv": [*TRAIN, str(epochs), *batch, *flags]}, timeout=180)
+
+
+def assert_bitwise_equal(a, b, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Exact resume
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stop_and_resume_equals_training_straight_through(pools, tmp_path, world):
+    straight = tmp_path / "straight.pt"
+    train_in_pool(pools, world, EPOCHS, "--snapshot", str(straight))
+    expected = distributed.load_checkpoint(straight)
+    assert expected["epochs_run"] == EPOCHS
+    for k in (1, 2):
+        path = tmp_path / f"stopped{k}.pt"
+        train_in_pool(pools, world, k, "--snapshot", str(path))
+        assert distributed.load_checkpoint(path)["epochs_run"] == k
+        train_in_pool(pools, world, EPOCHS, "--snapshot", str(path))
+        resumed = distributed.load_checkpoint(path)
+        assert_bitwise_equal(resumed["model"], expected["model"], f"model (stopped after {k})")
+        assert_bitwise_equal(resumed["optimizer"], expected["optimizer"], f"optimizer (stopped after {k})")
+        assert resumed["epochs_run"] == EPOCHS
+
+
+def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(pools, tmp_path):
+    """Supported: 2 x 64 -> 1 x 128 continues the same run (not bitwise: the reduction order changes)."""
+    straight = tmp_path / "straight.pt"
+    train_in_pool(pools, 2, EPOCHS, "--snapshot", str(straight))
+    path = tmp_path / "moved.pt"
+    train_in_pool(pools, 2, 1, "--snapshot", str(path))
+    train_in_pool(pools, 1, EPOCHS, "--snapshot", str(path))
+    moved, expected = distributed.load_checkpoint(path), distributed.load_checkpoint(straight)
+    for key, tensor in expected["model"].items():
+        torch.testing.assert_close(moved["model"][key], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_with_another_global_batch_or_seed_is_a_clear_error(pools, tmp_path):
+    path = tmp_path / "snap.pt"
+    train_in_pool(pools, 2, 1, "--snapshot", str(path))
+    with pytest.raises(AssertionError, match="global_batch=128 .* this run has global_batch=64"):
+        pools.run(1, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--snapshot", str(path)]})
+    with pytest.raises(AssertionError, match="seed=5 .* this run has seed=6"):
+        pools.run(2, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--seed", "6",
+                                             "--snapshot", str(path)]})
+
+
+def test_snapshot_of_another_model_is_a_clear_error(pools, tmp_path):
+    path = tmp_path / "other.pt"
+    state = distributed.load_checkpoint(_tiny_snapshot(pools, tmp_path))
+    state["model"] = {"weight": torch.zeros(3, 3)}
+    distributed.save_checkpoint(state, path)
+    with pytest.raises(AssertionError, match="holds a different model or optimizer"):
+        pools.run(1, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "128", "--snapshot", str(path)]})
+
+
+def _tiny_snapshot(pools, tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.pt"
+    train_in_pool(pools, 1, 1, "--snapshot", str(path))
+    return path
+
+
+def test_snapshot_loads_into_a_plain_model_without_wrapper_prefixes(pools, tmp_path):
+    path = tmp_path / "ddp.pt"
+    pools.run(2, task_save_ddp_state, {"path": str(path)})
+    state = distributed.load_checkpoint(path)
+    assert not any(k.startswith("module.") for k in state["model"])
+    build_model("mlp", 4, 0).load_state_dict(state["model"])  # strict: every key matches
+
+    compiled = torch.compile(build_model("mlp", 4, 0))
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    distributed.save_checkpoint({"model": compiled.state_dict()}, path)
+    build_model("mlp", 4, 0).load_state_dict(distributed.load_checkpoint(path)["model"])
+    assert distributed.unwrap(compiled) is compiled._orig_mod
+
+
+def test_min_ddp_snapshot_holds_what_an_exact_resume_needs(pools, tmp_path):
+    state = distributed.load_checkpoint(_tiny_snapshot(pools, tmp_path))
+    assert {"model", "optimizer", "epochs_run", "rng", "settings"} <= state.keys()
+    assert state["optimizer"]["state"], "momentum buffers are saved"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Fault-tolerant restart under torchrun
+# ---------------------------------------------------------------------------------------------
+
+FAULTY = textwrap.dedent('''
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    import distributed as dist
+    import min_ddp
+
+    log_interval = min_ddp.log_interval
+
+    def crash_once(stats, epoch, step, steps):
+        """Rank 1 dies in the middle of epoch 2 of the first attempt only."""
+        first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if first_attempt and dist.get_rank() == 1 and epoch == 1 and step == 50:
+            os._exit(17)
+        log_interval(stats, epoch, step, steps)
+
+    min_ddp.log_interval = crash_once
+
+    if __name__ == "__main__":
+        args = min_ddp.parse_args()
+        dist.launch(min_ddp.main_worker, args)
+''')
+
+
+def test_torchrun_restart_resumes_from_the_snapshot_bitwise(pools, tmp_path):
+    reference = tmp_path / "reference.pt"
+    train_in_pool(pools, 2, EPOCHS, "--save-model", str(reference))
+    script, model = tmp_path / "faulty.py", tmp_path / "model.pt"
+    script.write_text(FAULTY.format(repo=HERE))
+    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(script),
+                          "--log-every", "50", "--seed", "5", "--epochs", str(EPOCHS), "--batch-size", "64",
+                          "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(model)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "after 1 epoch(s)" in out.stdout, "the restart must resume"
+    assert "exitcode  : 17" in out.stderr or "exitcode: 17" in out.stderr or "17" in out.stderr
+    assert_bitwise_equal(distributed.load_checkpoint(model), distributed.load_checkpoint(reference), "model")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A crash during save leaves the old file or the new one
+# ---------------------------------------------------------------------------------------------
+
+
+def versioned_state(version: int) -> dict:
+    return {"version": version, "payload": torch.full((4 * 1024 * 1024,), float(version))}  # 16 MB
+
+
+def save_in_child(state: dict, path: Path) -> int:
+    pid = os.fork()
+    if pid == 0:  # the child: save, then leave without running the parent's cleanup
+        try:
+            distributed.save_checkpoint(state, path)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def test_sigkill_at_100_random_points_during_save_never_corrupts_the_snapshot(tmp_path):
+    path = tmp_path / "snap.pt"
+    distributed.save_checkpoint(versioned_state(0), path)
+    started = time.perf_counter()
+    os.waitpid(save_in_child(versioned_state(1), path), 0)
+    save_time = time.perf_counter() - started
+    rng, current, outcomes = random.Random(0), 1, {"old": 0, "new": 0}
+    for _ in range(100):
+        pid = save_in_child(versioned_state(current + 1), path)
+        time.sleep(rng.uniform(0, 1.2 * save_time))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        state = distributed.load_checkpoint(path)  # must always load
+        assert state["version"] in (current, current + 1)
+        assert torch.equal(state["payload"], torch.full_like(state["payload"], float(state["version"])))
+        outcomes["new" if state["version"] == current + 1 else "old"] += 1
+        current = state["version"]
+    assert min(outcomes.values()) >= 5, f"kills should land both before and after the rename: {outcomes}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A crafted snapshot cannot run code
+# ---------------------------------------------------------------------------------------------
+
+
+class _Exploit:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_snapshot_whose_pickle_runs_code_is_refused(tmp_path):
+    marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": _Exploit(str(marker))}, path)
+    with pytest.raises(Exception, match="refusing to load .*evil.pt"):
+        distributed.load_checkpoint(path)
+    assert not marker.exists(), "loading must not run the payload"
+    # Control: the file really is an exploit when loaded the unsafe way.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"],
+                   capture_output=True, timeout=60)
+    assert marker.exists()
+
+
+def test_unloadable_state_is_refused_at_save_time(tmp_path):
+    import argparse
+    with pytest.raises(TypeError, match=r"state\['args'\] is a Namespace"):
+        distributed.save_checkpoint({"args": argparse.Namespace(lr=1)}, tmp_path / "x.pt")
+    assert not (tmp_path / "x.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Corrupt files and disk errors: clear errors, nothing lost
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_snapshot_is_an_error_naming_the_file(tmp_path, damage):
+    path = tmp_path / "snap.pt"
+    distributed.save_checkpoint(versioned_state(1), path)
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[: len(data) // 2], "garbage": os.urandom(4096), "empty": b""}[damage])
+    with pytest.raises(Exception, match=f"{path}"):
+        distributed.load_checkpoint(path)
+
+
+def test_missing_snapshot_means_a_fresh_start(tmp_path):
+    assert distributed.load_checkpoint(tmp_path / "nothing.pt") is None
+
+
+def test_missing_parent_directory_is_a_clear_error(tmp_path):
+    path = tmp_path / "no" / "such" / "snap.pt"
+    with pytest.raises(OSError, match="cannot write the snapshot .*check the directory exists"):
+        distributed.save_checkpoint({"x": torch.ones(1)}, path)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only file system (root ignores permission bits): a tmpfs remounted ro."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_read_only_directory_keeps_the_previous_snapshot(read_only_dir, pools):
+    path = read_only_dir / "snap.pt"
+    distributed.save_checkpoint(versioned_state(1), path)
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_dir)], check=True)
+    with pytest.raises(OSError, match="Read-only file system"):
+        distributed.save_checkpoint(versioned_state(2), path)
+    assert distributed.load_checkpoint(path)["version"] == 1
+    # In a real job every rank gets the error; none waits forever for the primary.
+    messages = pools.run(2, task_save_expecting_error, {"path": str(path)}, timeout=60)
+    assert all("cannot write the snapshot" in m for m in messages), messages
+    # min_ddp refuses such a path before training, not after hours of it.
+    out = run_script(["min_ddp.py", "--snapshot", str(read_only_dir / "run.pt")], timeout=60)
+    assert out.returncode == 2 and "Read-only file system" in out.stderr
