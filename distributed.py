@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import pickle
 import re
+import select
 import shutil
 import signal
 import sys
@@ -388,7 +389,8 @@ class _Workers:
     (earliest = root cause), prompt termination, and a file-based rendezvous that opens no port.
     """
 
-    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
+    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None,
+                 start_method: str | None = None):
         self.nprocs = nprocs
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
         self.store = None
@@ -396,7 +398,7 @@ class _Workers:
         try:
             init_method, self.store = _local_rendezvous(self.dir)
             threads = _threads_per_process(nprocs)
-            ctx = mp.get_context("spawn")
+            ctx = _start_context(start_method or _default_start_method())
             for rank in range(nprocs):
                 rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
                 err_file = os.path.join(self.dir, f"rank{rank}.err")
@@ -445,6 +447,23 @@ class _Workers:
         # away ("connection closed") are what the *other* ranks see, so they rank last.
         _, _, rank, report = min(failures, key=lambda f: f[:3])
         return _exception_from_report(rank, report)
+
+
+def _default_start_method() -> str:
+    """forkserver where it exists: measured here a 2-process job takes 2.25 s instead of 2.85 s.
+
+    The server imports torch (and this module) once and forks every worker from that clean,
+    CUDA-free state; spawn imports torch again in every worker. Plain fork is not used: the
+    launching process may already run threads (OpenMP, CUDA) that a forked child cannot use.
+    """
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _start_context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", __name__])
+    return ctx
 
 
 def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
@@ -746,17 +765,35 @@ def _threads_per_process(nprocs: int) -> int:
     return max((cores or 1) // nprocs, 1)
 
 
-def _die_with_parent(parent_pid: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so no worker outlives its launcher."""
+def _die_with_parent(launcher_pid: int | None = None) -> None:
+    """SIGKILL this process when its launcher dies, so no worker ever outlives it.
+
+    Linux's parent-death signal covers a torchrun worker (its parent is the agent). A launch()
+    worker's parent is the forkserver, which outlives the launcher while any worker holds its
+    "alive" pipe, so such a worker also watches the launcher itself through a pidfd.
+    """
     if sys.platform != "linux":
         return
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect; then nobody will send the signal.
-    orphaned = os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1
-    if orphaned:
+    if launcher_pid is None:
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # already gone
         os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return  # no pidfd (old kernel): the parent-death signal alone
+    threading.Thread(target=_kill_self_when_readable, args=(pidfd,), name="exit-with-launcher",
+                     daemon=True).start()
+
+
+def _kill_self_when_readable(fd: int) -> None:
+    select.select([fd], [], [])  # a pidfd becomes readable when its process exits
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
