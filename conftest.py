@@ -388,3 +388,7 @@ def task_save_expecting_error(spec: dict) -> str:
     except OSError as e:
         return str(e)
     return "no error"
+
+
+def task_all_gather(spec: dict) -> torch.Tensor:
+    return distributed.all_gather(spec["values"][distributed.get_rank()])

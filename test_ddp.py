@@ -24,8 +24,8 @@ from torch.utils.data import TensorDataset
 import distributed
 import min_ddp
 from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
-                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_eval, task_grads,
-                      task_identity, task_reduce, task_sampler, task_train, train_loader)
+                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_all_gather, task_eval,
+                      task_grads, task_identity, task_reduce, task_sampler, task_train, train_loader)
 
 RTOL = ATOL = 1e-9
 
@@ -209,6 +209,15 @@ def test_reduce_is_exact_on_small_integers_and_keeps_shape_and_dtype(pools, worl
         assert res["untouched"] and res["is_new"], "reduce must not modify or return its input"
         assert res["result"].dtype == expected.dtype and res["result"].shape == expected.shape
         assert torch.equal(res["result"], expected), (res["result"], expected)
+
+
+@settings(max_examples=examples(20))
+@given(world=worlds, shape=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(DTYPES), seed=seeds)
+def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randint(0, 2 if dtype == torch.bool else 6, shape, generator=gen).to(dtype) for _ in range(world)]
+    for result in pools.run(world, task_all_gather, {"values": values}):
+        assert torch.equal(result, torch.stack(values))
 
 
 def test_reduce_accepts_python_numbers(pools):

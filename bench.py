@@ -1,0 +1,272 @@
+"""Benchmarks for distributed.py and min_ddp.py on this machine, side by side in one run.
+
+    python bench.py                 # the table (about 2 minutes on 2 cores)
+    python bench.py --runs 5 --json # more runs; machine-readable
+
+Workload: an MLP 512 -> 1024 -> 1024 -> 10 (1.6M parameters), batch 128 per process, SGD with
+momentum, in-memory synthetic data. Every number is the median of --runs runs; every ratio
+compares numbers measured in this same run.
+
+1. Training throughput (samples/s after warm-up) of min_ddp's own train_epoch at world sizes 1
+   and 2, against (a) a plain single-process loop on all cores with the same model, data and
+   global batch, and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
+   DistributedSampler, per-sample DataLoader, default threads) at world size 2.
+2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
+   via `torchrun --standalone`.
+3. Fail-fast: time from a rank raising to the launcher's exit.
+4. Logging: min_ddp's per-rank + global metrics every 10 steps vs only at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import distributed as dist
+import min_ddp
+
+BATCH, WARMUP = 128, 10
+TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.10, "world1_vs_plain": 0.98,
+           "launch_vs_torchrun": 0.80, "fail_fast_s": 1.0, "logging_overhead": 0.02}
+
+
+def bench_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def bench_data(samples: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(samples, 512, generator=gen), torch.randint(10, (samples,), generator=gen))
+
+
+def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Throughput
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_throughput(global_batch: int, steps: int) -> float:
+    """The fastest honest single-process loop: pre-sliced batches, no DataLoader, all cores."""
+    x, y = bench_data(global_batch * (WARMUP + steps)).tensors
+    model, batches = bench_model(), list(zip(x.split(global_batch), y.split(global_batch)))
+    optimizer = optimizer_for(model)
+    for i, (xb, yb) in enumerate(batches):
+        if i == WARMUP:
+            start = time.perf_counter()
+        loss = F.cross_entropy(model(xb), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return global_batch * steps / (time.perf_counter() - start)
+
+
+def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: int, result: str) -> None:
+    """min_ddp's own setup and train_epoch on the benchmark model; writes global samples/s."""
+    device = dist.init_process_group(local_rank, world_size)
+    model = bench_model().to(device)
+    ddp_model, optimizer = min_ddp.wrap(model, device), optimizer_for(model)
+    args = argparse.Namespace(grad_accum=1, log_every=log_every, batch_size=BATCH)
+    warm, timed = (min_ddp.batched_loader(data, dist.data_sampler(data, True, True), args.batch_size)
+                   for data in (bench_data(BATCH * world_size * n) for n in (WARMUP, steps)))
+    with contextlib.redirect_stdout(io.StringIO()):  # the metric lines are part of the cost, not the output
+        min_ddp.train_epoch(ddp_model, warm, optimizer, args, 0)
+        dist.barrier()
+        start = time.perf_counter()
+        min_ddp.train_epoch(ddp_model, timed, optimizer, args, 1)
+        elapsed = dist.reduce(time.perf_counter() - start, "max").item()
+    if dist.is_primary():
+        with open(result, "w") as f:
+            f.write(str(BATCH * world_size * steps / elapsed))
+    dist.cleanup()
+
+
+def raw_ddp_worker(rank: int, world_size: int, port: int, steps: int, result: str) -> None:
+    """The tutorial's way: fixed env rendezvous, DistributedSampler, per-sample DataLoader."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    data = bench_data(BATCH * world_size * (WARMUP + steps))
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False, sampler=DistributedSampler(data))
+    model = DDP(bench_model())
+    optimizer = optimizer_for(model)
+    for i, (x, y) in enumerate(loader):
+        if i == WARMUP:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        with open(result, "w") as f:
+            f.write(str(BATCH * world_size * steps / elapsed))
+    torch.distributed.destroy_process_group()
+
+
+def run_min_ddp(world: int, steps: int, log_every: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result")
+        dist.launch(min_ddp_worker, steps, log_every, result, nprocs=world)
+        return float(open(result).read())
+
+
+def run_raw_ddp(world: int, steps: int, threads: str | None = None) -> float:
+    """threads=None: the tutorial as written (torch's default: every core in every process)."""
+    with tempfile.TemporaryDirectory() as tmp, _env(OMP_NUM_THREADS=threads):
+        result = os.path.join(tmp, "result")
+        mp.spawn(raw_ddp_worker, args=(world, free_port(), steps, result), nprocs=world)
+        return float(open(result).read())
+
+
+@contextlib.contextmanager
+def _env(**values: str | None):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-3. Launch and fail-fast: whole commands, timed from outside
+# ---------------------------------------------------------------------------------------------
+
+
+def job_worker(local_rank: int, world_size: int, fail_file: str | None) -> None:
+    dist.init_process_group(local_rank, world_size)
+    dist.reduce(torch.ones(1))
+    if fail_file and dist.get_rank() == 1:
+        with open(fail_file, "w") as f:
+            f.write(repr(time.time()))
+        raise RuntimeError("benchmark: rank 1 fails on purpose")
+    if fail_file:
+        dist.reduce(torch.ones(1))  # rank 0 waits here for the rank that is failing
+    dist.cleanup()
+
+
+def wall_time(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    return time.perf_counter() - start
+
+
+def fail_fast_latency() -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        raised = os.path.join(tmp, "raised")
+        out = subprocess.run([sys.executable, __file__, "--job", "--fail-file", raised],
+                             capture_output=True, text=True, timeout=120)
+        exited = time.time()
+        assert out.returncode != 0 and "fails on purpose" in out.stderr, out.stderr
+        return exited - float(open(raised).read())
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(runs: int, steps: int) -> dict:
+    """Each run measures every configuration once, interleaved, so that slow phases of the
+    machine hit all of them alike; the report takes each one's median over the runs."""
+    configs = {
+        "plain_b128": lambda: plain_throughput(BATCH, steps),
+        "plain_b256": lambda: plain_throughput(2 * BATCH, steps),
+        "min_ddp_world1": lambda: run_min_ddp(1, steps, 10**9),
+        "min_ddp_world2": lambda: run_min_ddp(2, steps, 10**9),
+        "min_ddp_world2_logging": lambda: run_min_ddp(2, steps, 10),
+        "raw_ddp_world2": lambda: run_raw_ddp(2, steps),
+        "raw_ddp_world2_1thread": lambda: run_raw_ddp(2, steps, "1"),
+        "launch_s": lambda: wall_time([sys.executable, __file__, "--job"]),
+        "torchrun_s": lambda: wall_time(["torchrun", "--standalone", "--nproc_per_node=2", __file__, "--job"]),
+        "fail_fast_s": fail_fast_latency,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(runs):
+        for name, run in configs.items():
+            samples[name].append(run())
+    m = {name: statistics.median(values) for name, values in samples.items()}
+    m["ratios"] = {
+        "ddp2_vs_plain": m["min_ddp_world2"] / m["plain_b256"],
+        "ddp2_vs_raw": m["min_ddp_world2"] / max(m["raw_ddp_world2"], m["raw_ddp_world2_1thread"]),
+        "world1_vs_plain": m["min_ddp_world1"] / m["plain_b128"],
+        "launch_vs_torchrun": m["launch_s"] / m["torchrun_s"],
+        "fail_fast_s": m["fail_fast_s"],
+        "logging_overhead": 1 - m["min_ddp_world2_logging"] / m["min_ddp_world2"],
+    }
+    m["runs"] = samples
+    return m
+
+
+def table(m: dict, runs: int) -> str:
+    r = m["ratios"]
+    higher = {"ddp2_vs_plain", "ddp2_vs_raw", "world1_vs_plain"}
+    met = {k: (r[k] >= TARGETS[k]) if k in higher else (r[k] <= TARGETS[k]) for k in TARGETS}
+    rows = [
+        ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s", ""),
+        ("plain loop, all cores, batch 128", f"{m['plain_b128']:8.0f} samples/s", ""),
+        ("min_ddp, world 1, batch 128", f"{m['min_ddp_world1']:8.0f} samples/s",
+         f"{r['world1_vs_plain']:.3f}x plain-128 (target >= {TARGETS['world1_vs_plain']})", "world1_vs_plain"),
+        ("min_ddp, world 2, 2 x 128", f"{m['min_ddp_world2']:8.0f} samples/s",
+         f"{r['ddp2_vs_plain']:.3f}x plain-256 (target >= {TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
+        ("raw DDP (tutorial as written), world 2", f"{m['raw_ddp_world2']:8.0f} samples/s", ""),
+        ("raw DDP, 1 thread/process, world 2", f"{m['raw_ddp_world2_1thread']:8.0f} samples/s",
+         f"min_ddp = {r['ddp2_vs_raw']:.3f}x the faster raw (target >= {TARGETS['ddp2_vs_raw']})", "ddp2_vs_raw"),
+        ("min_ddp, world 2, metrics every 10 steps", f"{m['min_ddp_world2_logging']:8.0f} samples/s",
+         f"overhead {100 * r['logging_overhead']:.1f}% (target <= 2%)", "logging_overhead"),
+        ("trivial 2-process job: launch()", f"{m['launch_s']:8.2f} s",
+         f"{r['launch_vs_torchrun']:.2f}x torchrun (target <= {TARGETS['launch_vs_torchrun']})", "launch_vs_torchrun"),
+        ("trivial 2-process job: torchrun", f"{m['torchrun_s']:8.2f} s", ""),
+        ("fail-fast: raise -> launcher exit", f"{m['fail_fast_s']:8.2f} s",
+         f"(target <= {TARGETS['fail_fast_s']} s)", "fail_fast_s"),
+    ]
+    lines = [f"{'measurement (median of ' + str(runs) + ' runs)':42s} {'value':>18s}   comparison"]
+    for name, value, note, *key in rows:
+        mark = ("  ok" if met[key[0]] else "  MISSED") if key else ""
+        lines.append(f"{name:42s} {value:>18s}   {note}{mark}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=min_ddp.positive_int, default=3)
+    p.add_argument("--steps", type=min_ddp.positive_int, default=60, help="timed steps per throughput run")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
+    p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.job:
+        dist.launch(job_worker, args.fail_file, nprocs=2)
+        return
+    m = measure(args.runs, args.steps)
+    print(json.dumps(m, indent=2) if args.json else table(m, args.runs))
+
+
+if __name__ == "__main__":
+    main()
