@@ -25,8 +25,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
-import gc
 import datetime
+import gc
 import multiprocessing.connection
 import os
 import pickle
@@ -401,20 +401,19 @@ class _Workers:
     torch.multiprocessing.spawn is not used because, measured here, it leaves workers running when
     the parent alone gets SIGINT or is SIGKILLed, and it reports whichever failure it sees first,
     often a collateral "connection closed" rather than the rank that raised. This class keeps
-    torch's process start (spawn context), but adds a parent-death signal, timestamped error files
-    (earliest = root cause), prompt termination, and a file-based rendezvous that opens no port.
+    torch's multiprocessing (a forkserver context), and adds workers that die with the launcher,
+    timestamped error files (earliest = root cause), prompt termination, and a file-based
+    rendezvous that opens no port. ``env`` adds to every worker's environment.
     """
 
-    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None,
-                 start_method: str | None = None):
-        self.nprocs = nprocs
+    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
         self.store = None
         self.processes: list[mp.Process] = []
         try:
             init_method, self.store = _local_rendezvous(self.dir)
             threads = _threads_per_process(nprocs)
-            ctx = _start_context(start_method or _default_start_method())
+            ctx = _start_context()
             for rank in range(nprocs):
                 rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
                 err_file = os.path.join(self.dir, f"rank{rank}.err")
@@ -465,20 +464,17 @@ class _Workers:
         return _exception_from_report(rank, report)
 
 
-def _default_start_method() -> str:
+def _start_context() -> Any:
     """forkserver where it exists: measured here a 2-process job takes 2.25 s instead of 2.85 s.
 
     The server imports torch (and this module) once and forks every worker from that clean,
     CUDA-free state; spawn imports torch again in every worker. Plain fork is not used: the
     launching process may already run threads (OpenMP, CUDA) that a forked child cannot use.
     """
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-
-
-def _start_context(method: str) -> Any:
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", __name__])
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
     return ctx
 
 
