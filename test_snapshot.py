@@ -186,11 +186,22 @@ def save_in_child(state: dict, path: Path) -> int:
     return pid
 
 
+def wait_for(pid: int, timeout: float = 60) -> None:
+    """waitpid with a deadline: a child stuck after fork fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the saving child did not finish within {timeout} s")
+        time.sleep(0.005)
+
+
 def test_sigkill_at_100_random_points_during_save_never_corrupts_the_snapshot(tmp_path):
     path = tmp_path / "snap.pt"
     distributed.save_checkpoint(versioned_state(0), path)
     started = time.perf_counter()
-    os.waitpid(save_in_child(versioned_state(1), path), 0)
+    wait_for(save_in_child(versioned_state(1), path))
     save_time = time.perf_counter() - started
     rng, current, outcomes = random.Random(0), 1, {"old": 0, "new": 0}
     for _ in range(100):
