@@ -168,13 +168,14 @@ def init_process_group(
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
         torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = _as_timedelta(timeout)
     dist.init_process_group(
         backend,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=_as_timedelta(timeout),
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
-        **_rendezvous(env, _as_timedelta(timeout)),
+        **_rendezvous(env, timeout),
     )
     return device
 

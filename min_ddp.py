@@ -230,12 +230,8 @@ def check_compatible(state: dict, args: argparse.Namespace) -> None:
 
 def gather_rng_states() -> list[torch.Tensor]:
     """Every rank's CPU generator state (collective): all ranks resume their own random stream."""
-    states = [None] * dist.get_world_size()
-    if dist.get_world_size() > 1:
-        torch.distributed.all_gather_object(states, torch.get_rng_state())
-    else:
-        states = [torch.get_rng_state()]
-    return states
+    # Cloned rows: set_rng_state on a view into the stacked tensor (as saved, then loaded) crashes.
+    return [state.clone() for state in dist.all_gather(torch.get_rng_state())]
 
 
 def banner(device: torch.device) -> str:

@@ -33,10 +33,6 @@ worlds = st.integers(1, 4)
 seeds = st.integers(0, 2**16)
 
 
-def training_spec(draw_world: int, **kw) -> dict:
-    return {"epoch": 0, "shuffle": True, "accum": 1, **kw}
-
-
 def reference_training(spec: dict, world: int) -> dict:
     """One process, same initial model, global batch = the union of the ranks' batches."""
     with one_thread():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,9 +127,8 @@ def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
     j = job("raise", str(bad_rank), str(nprocs))
     code, out, err = j.finish()
     assert code == 1
-    final = err.strip().splitlines()
-    assert final[final.index(next(l for l in final if l.startswith("ValueError")))] == \
-        f"ValueError: root cause on rank {bad_rank}"
+    lines = err.strip().splitlines()
+    assert next(l for l in lines if l.startswith("ValueError")) == f"ValueError: root cause on rank {bad_rank}"
     assert f"[rank {bad_rank}] failed first; its traceback:" in err
     # The collateral errors of the waiting ranks are not the report.
     assert "Connection closed" not in err and "Connection reset" not in err
@@ -152,7 +152,7 @@ def test_hung_rank_makes_the_others_fail_with_a_timeout_error(job):
     assert j.leftovers() == []
 
 
-def test_min_ddp_timeout_flag_reaches_the_process_group(tmp_path):
+def test_min_ddp_rejects_a_non_positive_timeout():
     out = run_script(["min_ddp.py", "--timeout", "0", "--epochs", "1"], timeout=60)
     assert out.returncode == 2 and "--timeout" in out.stderr and "got: 0" in out.stderr
 
@@ -402,17 +402,12 @@ def test_expand_hostlist_rejects_malformed_lists(bad):
 
 def slurm_unavailable() -> str | None:
     """Why SLURM tests cannot run here, or None when a local cluster answers."""
-    if not shutil_which("srun"):
+    if not shutil.which("srun"):
         return "srun is not installed (CI installs SLURM with `bash .ci/slurm up`)"
     out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
     if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout:
         return f"no idle SLURM node answers (sinfo: {out.stdout.strip() or out.stderr.strip()}); run `bash .ci/slurm up`"
     return None
-
-
-def shutil_which(name: str) -> str | None:
-    import shutil
-    return shutil.which(name)
 
 
 @pytest.fixture(scope="module")
