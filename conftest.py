@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -278,7 +279,13 @@ def train_loader(spec: dict, batch_size: int) -> DataLoader:
 
 
 def task_train(spec: dict) -> dict:
-    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]))
+    """spec["allreduce"]: "gloo" (DDP's own) or "shared-memory" (distributed.shared_memory_allreduce);
+    spec["bucket_cap_mb"]: DDP's bucket size (tiny: one bucket per parameter)."""
+    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]),
+                bucket_cap_mb=spec.get("bucket_cap_mb"))
+    if spec.get("allreduce") == "shared-memory":
+        hooked = distributed.shared_memory_allreduce(model)
+        assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
     optimizer = make_optimizer(spec["optim"], model.module, spec["lr"])
     loader = train_loader(spec, spec["batch"])
     return run_steps(model, optimizer, loader, spec["steps"], spec["accum"])
@@ -351,6 +358,13 @@ def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -
     """``python *args`` in the repository, with a timeout so a hang fails instead of blocking."""
     return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    """A port free right now, for tests that must pass one explicitly (MASTER_PORT, torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def leftover_processes(marker: str) -> list[int]:

@@ -30,6 +30,7 @@ from conftest import (build_data, build_model, evaluate_prefix, examples, grad_v
 RTOL = ATOL = 1e-9
 
 worlds = st.integers(1, 4)
+allreduces = st.sampled_from(["gloo", "shared-memory"])  # DDP's own, distributed.shared_memory_allreduce
 seeds = st.integers(0, 2**16)
 
 
@@ -60,13 +61,13 @@ def assert_replicas_equal_and_match_reference(results: list[dict], ref: dict) ->
 @given(world=worlds, kind=st.sampled_from(["mlp", "conv", "lm"]), width=st.integers(2, 6),
        batch=st.integers(1, 4), steps=st.integers(1, 3), optim=st.sampled_from(["sgd", "momentum", "adam"]),
        lr=st.sampled_from([0.01, 0.1]), model_seed=seeds, data_seed=seeds, shuffle=st.booleans(),
-       epoch=st.integers(0, 3), extra=st.integers(0, 5))
+       epoch=st.integers(0, 3), extra=st.integers(0, 5), allreduce=allreduces)
 def test_n_process_params_equal_one_process_after_every_step(pools, world, kind, width, batch, steps,
                                                               optim, lr, model_seed, data_seed, shuffle,
-                                                              epoch, extra):
+                                                              epoch, extra, allreduce):
     spec = {"kind": kind, "width": width, "batch": batch, "steps": steps, "optim": optim, "lr": lr,
             "model_seed": model_seed, "data_seed": data_seed, "shuffle": shuffle, "epoch": epoch,
-            "accum": 1, "n": steps * batch * world + extra}
+            "accum": 1, "n": steps * batch * world + extra, "allreduce": allreduce}
     ref = reference_training(spec, world)
     initial = param_vector_of(spec)
     assert (ref["params"][0] - initial).abs().max() > 1e-6, "the step must change the model"
@@ -86,12 +87,13 @@ def param_vector_of(spec: dict) -> torch.Tensor:
 @settings(max_examples=examples(40))
 @given(world=st.integers(2, 4), accum=st.integers(2, 3), kind=st.sampled_from(["mlp", "lm"]),
        batch=st.integers(1, 3), steps=st.integers(1, 2), optim=st.sampled_from(["sgd", "adam"]),
-       model_seed=seeds, data_seed=seeds)
+       model_seed=seeds, data_seed=seeds, allreduce=allreduces)
 def test_no_sync_accumulation_equals_one_process_over_all_micro_batches(pools, world, accum, kind, batch,
-                                                                        steps, optim, model_seed, data_seed):
+                                                                        steps, optim, model_seed, data_seed,
+                                                                        allreduce):
     spec = {"kind": kind, "width": 4, "batch": batch, "steps": steps, "optim": optim, "lr": 0.1,
             "model_seed": model_seed, "data_seed": data_seed, "shuffle": True, "epoch": 0,
-            "accum": accum, "n": steps * accum * batch * world}
+            "accum": accum, "n": steps * accum * batch * world, "allreduce": allreduce}
     results = pools.run(world, task_train, spec)
     assert_replicas_equal_and_match_reference(results, reference_training(spec, world))
 
@@ -322,7 +324,7 @@ def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
     out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("mode=spawn world=2 backend=gloo device=cpu")
+    assert lines[0].startswith("mode=spawn world=2 backend=gloo allreduce=shared-memory device=cpu")
     assert any(line.startswith("[rank 0] epoch 1 step 64/128") for line in lines)
     assert any(line.startswith("[rank 1] epoch 1 step 64/128") for line in lines)
     assert any(line.startswith("[global] epoch 1 step 64/128") for line in lines)

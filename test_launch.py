@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import distributed
-from conftest import HERE, leftover_processes, run_script
+from conftest import HERE, free_port, leftover_processes, run_script
 
 # A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]
 JOB = textwrap.dedent('''
@@ -220,12 +220,6 @@ def test_twenty_jobs_launched_at_once_all_succeed(job, pools):
     failures = [(code, err[-2000:]) for code, out, err in results if code != 0 or "job ok" not in out]
     assert failures == [], failures[0]
     assert all(j.leftovers(within=0) == [] for j in jobs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_explicit_master_port_is_used(job):

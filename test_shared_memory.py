@@ -1,0 +1,209 @@
+"""distributed.shared_memory_allreduce: DDP's gradient mean through /dev/shm instead of gloo.
+
+min_ddp turns it on (its banner says allreduce=shared-memory), so every multi-process min_ddp run
+in this suite goes through it, and test_ddp.py's training properties draw "gloo" or
+"shared-memory" for every example (N processes = 1 process, replicas bitwise equal). Here:
+- for two ranks it is bitwise gloo's result, step after step (a + b is commutative, so the same
+  rounding), with one bucket or one per parameter;
+- it never hangs: a dead peer is named within seconds, a stalled one fails after the timeout;
+- it leaves nothing in /dev/shm, and steps aside (returns False, gloo stays) when the ranks do not
+  share one /dev/shm or it is too small. Those use real mount namespaces (unshare, as root).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distributed
+from conftest import HERE, build_model, examples, free_port, task_train
+
+# python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun
+# would) the worker runs here; without, launch() starts 2 processes.
+JOB = textwrap.dedent('''
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def local_grad(rank, width):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(width, 8)
+        torch.manual_seed(rank)
+        model(torch.randn(4, width)).square().sum().backward()
+        return model.weight.grad
+
+    def worker(local_rank, world_size, behaviour, width):
+        dist.init_process_group(local_rank, world_size, timeout=60)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(width, 8))
+        hooked = dist.shared_memory_allreduce(model, timeout=1.0)
+        rank = dist.get_rank()
+        print(f"rank {{rank}} hooked={{hooked}}", flush=True)
+        if rank == 1 and behaviour == "die":
+            os._exit(3)
+        if rank == 1 and behaviour == "stall":
+            time.sleep(60)
+        torch.manual_seed(rank)
+        model(torch.randn(4, width)).square().sum().backward()
+        grads = dist.all_gather(model.module.weight.grad)
+        mean = local_grad(0, width) / 2 + local_grad(1, width) / 2  # what DDP's gloo all-reduce gives
+        print(f"rank {{rank}} exact={{torch.equal(grads[rank], mean)}} "
+              f"replicas_equal={{torch.equal(grads[0], grads[1])}}", flush=True)
+        dist.cleanup()
+
+    if __name__ == "__main__":
+        behaviour, width = sys.argv[1], int(sys.argv[2])
+        if "RANK" in os.environ:
+            worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), behaviour, width)
+        else:
+            dist.launch(worker, behaviour, width, nprocs=2)
+''')
+
+# Runs the rest of the command with its own, empty /dev/shm of the given size.
+PRIVATE_SHM = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs /dev/shm && exec "$@"']
+WIDE = 4096  # Linear(4096, 8): 128 KiB of gradients, 512 KiB of slots for two ranks
+
+
+def private_shm_unavailable() -> str | None:
+    try:
+        done = subprocess.run([*PRIVATE_SHM, "1M", "true"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"unshare is missing: {e}"
+    return None if done.returncode == 0 else f"cannot mount a private /dev/shm: {done.stderr.strip()}"
+
+
+needs_private_shm = pytest.mark.skipif(bool(private_shm_unavailable()), reason=str(private_shm_unavailable()))
+
+
+def our_shm_files() -> set[str]:
+    return set(glob.glob("/dev/shm/distributed-py-grads-*"))
+
+
+def job_script(tmp_path: Path) -> Path:
+    script = tmp_path / "shm_job.py"
+    script.write_text(JOB.format(repo=HERE))
+    return script
+
+
+def start_ranks(tmp_path: Path, behaviour: str, width: int, prefixes: tuple[list, list] = ([], [])) -> list:
+    """Two ranks started by hand, as torchrun would (no launcher watching over them)."""
+    script, port = job_script(tmp_path), free_port()
+    common = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([*prefixes[rank], sys.executable, str(script), behaviour, str(width)],
+                             env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(2)]
+
+
+def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
+    """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a
+    hang: all are killed and the test fails."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"hung: {[p.communicate() for p in procs]}")
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The result: gloo's, bitwise
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(30))
+@given(kind=st.sampled_from(["mlp", "conv", "lm"]), width=st.integers(2, 6), batch=st.integers(1, 4),
+       steps=st.integers(1, 4), optim=st.sampled_from(["sgd", "momentum", "adam"]),
+       bucket_cap_mb=st.sampled_from([None, 1e-6]), model_seed=st.integers(0, 2**16),
+       data_seed=st.integers(0, 2**16))
+def test_two_rank_shared_memory_training_is_bitwise_gloo_training(pools, kind, width, batch, steps, optim,
+                                                                   bucket_cap_mb, model_seed, data_seed):
+    spec = {"kind": kind, "width": width, "batch": batch, "steps": steps, "optim": optim, "lr": 0.1,
+            "model_seed": model_seed, "data_seed": data_seed, "shuffle": True, "epoch": 0, "accum": 1,
+            "n": steps * batch * 2, "bucket_cap_mb": bucket_cap_mb}
+    gloo = pools.run(2, task_train, {**spec, "allreduce": "gloo"})
+    shm = pools.run(2, task_train, {**spec, "allreduce": "shared-memory"})
+    for step in range(steps):
+        for rank in range(2):
+            assert torch.equal(shm[rank]["params"][step], gloo[rank]["params"][step]), \
+                f"rank {rank}, step {step + 1}: shared memory != gloo"
+    initial = torch.cat([p.detach().flatten() for p in build_model(kind, width, model_seed).parameters()])
+    assert (shm[0]["params"][0] - initial).abs().max() > 1e-6, "the step must change the model"
+
+
+def test_a_model_that_is_not_ddp_is_rejected_naming_its_type():
+    with pytest.raises(TypeError, match=r"got: Linear.*DDP\(model\)"):
+        distributed.shared_memory_allreduce(torch.nn.Linear(2, 2))
+
+
+def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
+    before = our_shm_files()
+    [(code, out, err)] = finish([subprocess.Popen([sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)],
+                                                  cwd=tmp_path, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True)])
+    assert code == 0, err
+    assert "rank 0 hooked=True" in out and "rank 1 hooked=True" in out
+    assert out.count("exact=True replicas_equal=True") == 2, out
+    assert our_shm_files() <= before, "the /dev/shm file is unlinked once every rank has mapped it"
+
+
+# ---------------------------------------------------------------------------------------------
+# Never a hang
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dead_peer_is_named_within_seconds_instead_of_a_hang(tmp_path):
+    before = our_shm_files()
+    procs = start_ranks(tmp_path, "die", 8)
+    (code0, out0, err0), (code1, _, _) = finish(procs)
+    assert code1 == 3
+    assert code0 != 0 and "exact=" not in out0
+    assert f"peer rank 1 (pid {procs[1].pid}) exited before the gradient all-reduce" in err0, err0
+    assert our_shm_files() <= before, "nothing left in /dev/shm after a crash"
+
+
+def test_stalled_peer_fails_after_the_timeout_naming_it(tmp_path):
+    procs = start_ranks(tmp_path, "stall", 8)
+    try:
+        code0, _, err0 = finish(procs[:1])[0]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert code0 != 0
+    assert "timed out after 0:00:01 waiting for ranks [1] at the gradient all-reduce" in err0, err0
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps aside when it cannot work: gloo stays, the mean is the same
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_private_shm
+def test_ranks_that_do_not_share_dev_shm_keep_gloo(tmp_path):
+    """Rank 1 sees another /dev/shm, as on another host or in another container."""
+    results = finish(start_ranks(tmp_path, "ok", 8, prefixes=([], [*PRIVATE_SHM, "1M"])))
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        assert f"rank {rank} hooked=False" in out and "exact=True replicas_equal=True" in out, out
+
+
+@needs_private_shm
+def test_a_dev_shm_too_small_for_the_gradients_keeps_gloo(tmp_path):
+    command = [*PRIVATE_SHM, "64k", sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)]
+    [(code, out, err)] = finish([subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True)])
+    assert code == 0, err
+    assert "rank 0 hooked=False" in out and "rank 1 hooked=False" in out, out
+    assert out.count("exact=True replicas_equal=True") == 2, out
