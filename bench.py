@@ -10,9 +10,10 @@ compares numbers measured in this same run.
 1. Training throughput (samples/s after warm-up) of min_ddp's own train_epoch at world sizes 1
    and 2, against (a) a plain single-process loop on all cores with the same model, data and
    global batch, and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
-   DistributedSampler, per-sample DataLoader, default threads) at world size 2.
+   DistributedSampler, per-sample DataLoader, default threads) at world size 2. Also min_ddp's
+   DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
-   via `torchrun --standalone`.
+   via `torchrun --standalone`, until the command's process exits.
 3. Fail-fast: time from a rank raising to the launcher's exit.
 4. Logging: min_ddp's per-rank + global metrics every 10 steps vs only at the end.
 """
@@ -79,11 +80,13 @@ def plain_throughput(global_batch: int, steps: int) -> float:
     return global_batch * steps / (time.perf_counter() - start)
 
 
-def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: int, result: str) -> None:
-    """min_ddp's own setup and train_epoch on the benchmark model; writes global samples/s."""
+def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: int, shm: bool, result: str) -> None:
+    """min_ddp's own setup and train_epoch on the benchmark model; writes global samples/s.
+    shm=False: min_ddp's DDP without the shared-memory all-reduce (gloo's instead)."""
     device = dist.init_process_group(local_rank, world_size)
     model = bench_model().to(device)
-    ddp_model, optimizer = min_ddp.wrap(model, device), optimizer_for(model)
+    ddp_model = min_ddp.wrap(model, device, 300)[0] if shm else DDP(model, gradient_as_bucket_view=True)
+    optimizer = optimizer_for(model)
     args = argparse.Namespace(grad_accum=1, log_every=log_every, batch_size=BATCH)
     warm, timed = (min_ddp.batched_loader(data, dist.data_sampler(data, True, True), args.batch_size)
                    for data in (bench_data(BATCH * world_size * n) for n in (WARMUP, steps)))
@@ -122,10 +125,10 @@ def raw_ddp_worker(rank: int, world_size: int, port: int, steps: int, result: st
     torch.distributed.destroy_process_group()
 
 
-def run_min_ddp(world: int, steps: int, log_every: int) -> float:
+def run_min_ddp(world: int, steps: int, log_every: int, shm: bool = True) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        dist.launch(min_ddp_worker, steps, log_every, result, nprocs=world)
+        dist.launch(min_ddp_worker, steps, log_every, shm, result, nprocs=world)
         return float(open(result).read())
 
 
@@ -175,19 +178,35 @@ def job_worker(local_rank: int, world_size: int, fail_file: str | None) -> None:
 
 
 def wall_time(command: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
-    return time.perf_counter() - start
+    seconds, code, out = run_to_exit(command)
+    assert code == 0, out
+    return seconds
 
 
 def fail_fast_latency() -> float:
     with tempfile.TemporaryDirectory() as tmp:
         raised = os.path.join(tmp, "raised")
-        out = subprocess.run([sys.executable, __file__, "--job", "--fail-file", raised],
-                             capture_output=True, text=True, timeout=120)
-        exited = time.time()
-        assert out.returncode != 0 and "fails on purpose" in out.stderr, out.stderr
-        return exited - float(open(raised).read())
+        start = time.time()
+        seconds, code, out = run_to_exit([sys.executable, __file__, "--job", "--fail-file", raised])
+        assert code != 0 and "fails on purpose" in out, out
+        return start + seconds - float(open(raised).read())
+
+
+def run_to_exit(command: list[str]) -> tuple[float, int, str]:
+    """(seconds until the command's own process exits, its exit code, its output).
+
+    launch()'s forkserver keeps the output pipe open ~0.5 s after the launcher exits, while its
+    interpreter tears torch down. That is not the command's time, but it is read to the end before
+    returning, so that the teardown does not slow down the next measurement.
+    """
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        code = proc.wait(timeout=120)  # the output is a few lines: it cannot fill the pipe
+        seconds = time.perf_counter() - start
+        return seconds, code, proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +223,7 @@ def measure(runs: int, steps: int) -> dict:
         "min_ddp_world1": lambda: run_min_ddp(1, steps, 10**9),
         "min_ddp_world2": lambda: run_min_ddp(2, steps, 10**9),
         "min_ddp_world2_logging": lambda: run_min_ddp(2, steps, 10),
+        "min_ddp_world2_gloo": lambda: run_min_ddp(2, steps, 10**9, shm=False),
         "raw_ddp_world2": lambda: run_raw_ddp(2, steps),
         "raw_ddp_world2_1thread": lambda: run_raw_ddp(2, steps, "1"),
         "launch_s": lambda: wall_time([sys.executable, __file__, "--job"]),
@@ -238,6 +258,8 @@ def table(m: dict, runs: int) -> str:
          f"{r['world1_vs_plain']:.3f}x plain-128 (target >= {TARGETS['world1_vs_plain']})", "world1_vs_plain"),
         ("min_ddp, world 2, 2 x 128", f"{m['min_ddp_world2']:8.0f} samples/s",
          f"{r['ddp2_vs_plain']:.3f}x plain-256 (target >= {TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
+        ("min_ddp, world 2, gloo all-reduce", f"{m['min_ddp_world2_gloo']:8.0f} samples/s",
+         f"{m['min_ddp_world2_gloo'] / m['plain_b256']:.3f}x plain-256 (without shared memory)"),
         ("raw DDP (tutorial as written), world 2", f"{m['raw_ddp_world2']:8.0f} samples/s", ""),
         ("raw DDP, 1 thread/process, world 2", f"{m['raw_ddp_world2_1thread']:8.0f} samples/s",
          f"min_ddp = {r['ddp2_vs_raw']:.3f}x the faster raw (target >= {TARGETS['ddp2_vs_raw']})", "ddp2_vs_raw"),

@@ -108,7 +108,7 @@ def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Mod
     """DDP for more than one process, and how its gradients are averaged ("none" in one process).
 
     Gradients as views of DDP's buckets skip a copy per step. CPU ranks on one host average them
-    through shared memory (dist.shared_memory_allreduce: 1.2-1.4x the samples/s of gloo's, bench.py).
+    through shared memory (dist.shared_memory_allreduce: 1.4x the samples/s of gloo's, bench.py).
     """
     if dist.get_world_size() == 1:
         return model, "none"
