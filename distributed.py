@@ -219,17 +219,19 @@ def shared_memory_allreduce(
 
     Must be called on all ranks, right after ``DDP(model)``. Returns True if it registered the
     comm hook; False when gloo's all-reduce stays (nothing changes): a world of one, a backend other
-    than gloo, GPU parameters, ranks on several hosts, not Linux on x86-64, or no room in
-    /dev/shm. The result is DDP's own mean (each rank divides by the world size, then the ranks'
-    shares are summed): bitwise what gloo gives for two ranks; for more, the sum runs in rank order
-    on every rank, so it can differ from gloo's ring order in the last bit, never between ranks.
+    than gloo, GPU parameters, ranks on several hosts, not Linux on x86-64, or a /dev/shm with less
+    than twice the room needed: 2 x world size x the largest bucket (DDP's bucket_cap_mb, 25 MB,
+    plus one parameter, or all the gradients if smaller).
+
+    The result is DDP's own mean (each rank divides by the world size, then the shares are summed):
+    bitwise what gloo gives for two ranks; for more, the sum runs in rank order on every rank, so
+    it can differ from gloo's ring order in the last bit, never between ranks.
 
     Why: gloo sends the gradients through loopback TCP, and its wake-ups cost milliseconds when the
-    cores are busy; here each rank copies its gradients into its slot of one /dev/shm mapping, the
-    ranks meet at a spin barrier, and each sums the slots (bench.py, 2 ranks on 2 cores: 1.4x the
-    samples/s of gloo's all-reduce).
-    A rank that dies is noticed within 0.1 s and a rank that stalls fails after ``timeout``
-    (default ``DEFAULT_TIMEOUT``), as a gloo collective would; neither hangs.
+    cores are busy. Here each rank copies its share into its slot of one /dev/shm mapping, the ranks
+    meet at a spin barrier, and each sums the slots (bench.py, 2 ranks on 2 cores: 1.4x the
+    samples/s of gloo's all-reduce). A rank that dies is noticed within 0.1 s and a rank that
+    stalls fails after ``timeout`` (default ``DEFAULT_TIMEOUT``), as a gloo collective would.
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"shared_memory_allreduce: expected a DistributedDataParallel model, got: "
@@ -1002,8 +1004,15 @@ def _shared_memory_hook(state, bucket):  # no annotations: DDP checks them, and 
 
 
 def _create_shm_file(size: int, token: str) -> str | None:
-    """A new /dev/shm file of ``size`` bytes starting with ``token``; None if there is no room."""
+    """A new /dev/shm file of ``size`` bytes starting with ``token``; None if there is no room.
+
+    It may take at most half of the free space: DataLoader workers pass their batches through
+    /dev/shm too, and a full one makes them fail.
+    """
     try:
+        free = os.statvfs("/dev/shm")
+        if size > free.f_bavail * free.f_frsize // 2:
+            return None
         fd, path = tempfile.mkstemp(prefix="distributed-py-grads-", dir="/dev/shm")
     except OSError:
         return None
