@@ -11,7 +11,8 @@ compares numbers measured in this same run.
    and 2, against (a) a plain single-process loop on all cores with the same model, data and
    global batch, and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
    DistributedSampler, per-sample DataLoader, default threads) at world size 2. Also min_ddp's
-   DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys.
+   DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and
+   with no all-reduce at all: the ceiling any all-reduce could reach.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
    via `torchrun --standalone`, until the command's process exits.
 3. Fail-fast: time from a rank raising to the launcher's exit.
@@ -80,12 +81,20 @@ def plain_throughput(global_batch: int, steps: int) -> float:
     return global_batch * steps / (time.perf_counter() - start)
 
 
-def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: int, shm: bool, result: str) -> None:
+def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: int, allreduce: str,
+                   result: str) -> None:
     """min_ddp's own setup and train_epoch on the benchmark model; writes global samples/s.
-    shm=False: min_ddp's DDP without the shared-memory all-reduce (gloo's instead)."""
+
+    allreduce: "shared-memory" (min_ddp's), "gloo" (DDP's own), or "none": a hook that skips the
+    all-reduce (wrong training, but the throughput ceiling of any all-reduce)."""
     device = dist.init_process_group(local_rank, world_size)
     model = bench_model().to(device)
-    ddp_model = min_ddp.wrap(model, device, 300)[0] if shm else DDP(model, gradient_as_bucket_view=True)
+    if allreduce == "shared-memory":
+        ddp_model = min_ddp.wrap(model, device, 300)[0]
+    else:
+        ddp_model = DDP(model, gradient_as_bucket_view=True)
+        if allreduce == "none":
+            ddp_model.register_comm_hook(None, no_allreduce)
     optimizer = optimizer_for(model)
     args = argparse.Namespace(grad_accum=1, log_every=log_every, batch_size=BATCH)
     warm, timed = (min_ddp.batched_loader(data, dist.data_sampler(data, True, True), args.batch_size)
@@ -125,10 +134,16 @@ def raw_ddp_worker(rank: int, world_size: int, port: int, steps: int, result: st
     torch.distributed.destroy_process_group()
 
 
-def run_min_ddp(world: int, steps: int, log_every: int, shm: bool = True) -> float:
+def no_allreduce(state, bucket):  # no annotations: DDP checks them, and ours would be strings
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def run_min_ddp(world: int, steps: int, log_every: int, allreduce: str = "shared-memory") -> float:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        dist.launch(min_ddp_worker, steps, log_every, shm, result, nprocs=world)
+        dist.launch(min_ddp_worker, steps, log_every, allreduce, result, nprocs=world)
         return float(open(result).read())
 
 
@@ -223,7 +238,8 @@ def measure(runs: int, steps: int) -> dict:
         "min_ddp_world1": lambda: run_min_ddp(1, steps, 10**9),
         "min_ddp_world2": lambda: run_min_ddp(2, steps, 10**9),
         "min_ddp_world2_logging": lambda: run_min_ddp(2, steps, 10),
-        "min_ddp_world2_gloo": lambda: run_min_ddp(2, steps, 10**9, shm=False),
+        "min_ddp_world2_gloo": lambda: run_min_ddp(2, steps, 10**9, "gloo"),
+        "min_ddp_world2_no_allreduce": lambda: run_min_ddp(2, steps, 10**9, "none"),
         "raw_ddp_world2": lambda: run_raw_ddp(2, steps),
         "raw_ddp_world2_1thread": lambda: run_raw_ddp(2, steps, "1"),
         "launch_s": lambda: wall_time([sys.executable, __file__, "--job"]),
@@ -260,6 +276,8 @@ def table(m: dict, runs: int) -> str:
          f"{r['ddp2_vs_plain']:.3f}x plain-256 (target >= {TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
         ("min_ddp, world 2, gloo all-reduce", f"{m['min_ddp_world2_gloo']:8.0f} samples/s",
          f"{m['min_ddp_world2_gloo'] / m['plain_b256']:.3f}x plain-256 (without shared memory)"),
+        ("min_ddp, world 2, all-reduce skipped", f"{m['min_ddp_world2_no_allreduce']:8.0f} samples/s",
+         f"{m['min_ddp_world2_no_allreduce'] / m['plain_b256']:.3f}x plain-256 (ceiling: compute only)"),
         ("raw DDP (tutorial as written), world 2", f"{m['raw_ddp_world2']:8.0f} samples/s", ""),
         ("raw DDP, 1 thread/process, world 2", f"{m['raw_ddp_world2_1thread']:8.0f} samples/s",
          f"min_ddp = {r['ddp2_vs_raw']:.3f}x the faster raw (target >= {TARGETS['ddp2_vs_raw']})", "ddp2_vs_raw"),

@@ -442,8 +442,9 @@ class _SharedGradients:
 
     Call c works in half c % 2. A rank that passed call c-1's barrier knows every rank has written
     call c-1, so has finished reading call c-2's half: one barrier per call is enough. Flags and
-    slots are plain stores and loads; x86-64 keeps stores (and loads) in program order, which is
-    the ordering this relies on, hence the x86-64 check in shared_memory_allreduce.
+    slots are plain stores and loads. This relies on x86-64 never reordering a store with an
+    earlier store or load, nor a load with an earlier load (a peer that sees a flag sees the slot
+    written before it), hence the x86-64 check in shared_memory_allreduce.
     """
 
     LINE = 64  # one cache line per flag: a rank's writes do not disturb the flags its peers spin on
@@ -471,8 +472,8 @@ class _SharedGradients:
             path, token = infos[0][3], infos[0][4]
             peers = [(pid, start) for _, pid, start, _, _ in infos]
             ok = path is not None and all(info[0] for info in infos) and _sees(path, token, peers)
-            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if ok else None
-            if not reduce(ok, "min").item():  # also: every rank has mapped the file (or given up)
+            memory = _map_shared(path, size) if ok else None
+            if not reduce(memory is not None, "min").item():  # also: every rank has mapped it, or given up
                 return None
             return cls(memory, slot_bytes, peers, timeout)
         finally:
@@ -1036,6 +1037,13 @@ def _sees(path: str, token: str, peers: list) -> bool:
     except OSError:
         return False
     return all(_process_start(pid) == start for pid, start in peers)
+
+
+def _map_shared(path: str, size: int) -> torch.Tensor | None:
+    try:
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except (RuntimeError, OSError):  # this rank alone must not raise: the others would wait for it
+        return None
 
 
 def _process_start(pid: int) -> str | None:
