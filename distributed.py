@@ -402,7 +402,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if isinstance(model, DistributedDataParallel):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             model = model._orig_mod
@@ -472,6 +472,8 @@ class _SharedGradients:
             dist.all_gather_object(infos, (local_ok, os.getpid(), _process_start(os.getpid()), created, token))
             path, token = infos[0][3], infos[0][4]
             peers = [(pid, start) for _, pid, start, _, _ in infos]
+            # Checked before mapping: torch.from_file(shared=True) creates a missing file, which on
+            # another host would leave a stray one in its /dev/shm.
             ok = path is not None and all(info[0] for info in infos) and _sees(path, token, peers)
             memory = _map_shared(path, size) if ok else None
             if not reduce(memory is not None, "min").item():  # also: every rank has mapped it, or given up

@@ -82,7 +82,8 @@ def private_shm_unavailable() -> str | None:
     return None if done.returncode == 0 else f"cannot mount a private /dev/shm: {done.stderr.strip()}"
 
 
-needs_private_shm = pytest.mark.skipif(bool(private_shm_unavailable()), reason=str(private_shm_unavailable()))
+PRIVATE_SHM_UNAVAILABLE = private_shm_unavailable()
+needs_private_shm = pytest.mark.skipif(bool(PRIVATE_SHM_UNAVAILABLE), reason=str(PRIVATE_SHM_UNAVAILABLE))
 
 
 def our_shm_files() -> set[str]:
