@@ -345,7 +345,7 @@ def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float]:
     model = min_ddp.make_model().double()
     inputs, labels = min_ddp.make_dataset("val")[:n]
     data = TensorDataset(inputs.double(), labels)
-    loader = DataLoader(data, batch, sampler=distributed.data_sampler(data, True, False, pad=False))
+    loader = min_ddp.batched_loader(data, distributed.data_sampler(data, True, False, pad=False), batch)
     return min_ddp.evaluate(model, loader, torch.device("cpu"))
 
 

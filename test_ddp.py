@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import TensorDataset
+from torch.utils.data import BatchSampler, TensorDataset
 
 import distributed
 import min_ddp
@@ -168,6 +168,19 @@ def test_padded_sampler_would_count_duplicates_in_evaluation(pools):
     exact = pools.run(3, task_sampler, {"n": 10, "shuffle": False, "pad": False, "seed": 0, "epochs": [0]})
     assert sum(len(r[0]) for r in padded) == 12
     assert sum(len(r[0]) for r in exact) == 10
+
+
+@settings(max_examples=examples(40))
+@given(n=st.integers(0, 40), batch=st.integers(1, 12), seed=seeds)
+def test_batched_loader_yields_the_batch_samplers_batches_in_order(n, batch, seed):
+    """min_ddp's index-tensor batches are BatchSampler's (drop_last=False), down to an empty shard."""
+    data = TensorDataset(torch.randn(n, 3), torch.arange(n))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    expected = list(BatchSampler(order, batch, drop_last=False))
+    got = [(x, y) for x, y in min_ddp.batched_loader(data, order, batch)]
+    assert [y.tolist() for _, y in got] == expected
+    assert all(torch.equal(x, data.tensors[0][idx]) for (x, _), idx in zip(got, expected))
+    assert len(min_ddp.batched_loader(data, order, batch)) == len(expected)
 
 
 def test_data_sampler_is_none_when_not_distributed():

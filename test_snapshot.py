@@ -142,7 +142,7 @@ FAULTY = textwrap.dedent('''
         first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
         if first_attempt and dist.get_rank() == 1 and epoch == 1 and step == 50:
             os._exit(17)
-        log_interval(stats, epoch, step, steps)
+        return log_interval(stats, epoch, step, steps)
 
     min_ddp.log_interval = crash_once
 
