@@ -9,7 +9,8 @@ compares numbers measured in this same run.
 
 1. Training throughput (samples/s after warm-up) of min_ddp's own train_epoch at world sizes 1
    and 2, against (a) a plain single-process loop on all cores with the same model, data and
-   global batch, and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
+   global batch, shuffled as min_ddp's sampler shuffles (also shown: the same loop reading the
+   data in storage order, which gathers nothing), and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
    DistributedSampler, per-sample DataLoader, default threads) at world size 2. Also min_ddp's
    DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and
    with no all-reduce at all: the ceiling any all-reduce could reach.
@@ -66,14 +67,24 @@ def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------------------------------------
 
 
-def plain_throughput(global_batch: int, steps: int) -> float:
-    """The fastest honest single-process loop: pre-sliced batches, no DataLoader, all cores."""
+def plain_throughput(global_batch: int, steps: int, shuffle: bool = True) -> float:
+    """The fastest honest single-process loop: no DataLoader, all cores, and min_ddp's batches.
+
+    shuffle=True: a random order, each batch gathered with one index tensor inside the loop, as
+    min_ddp's sampler and batched_loader do (its ranks' batches together are such global batches).
+    shuffle=False: contiguous slices in storage order, nothing gathered: what shuffling costs.
+    """
     x, y = bench_data(global_batch * (WARMUP + steps)).tensors
-    model, batches = bench_model(), list(zip(x.split(global_batch), y.split(global_batch)))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    model = bench_model()
     optimizer = optimizer_for(model)
-    for i, (xb, yb) in enumerate(batches):
+    for i in range(WARMUP + steps):
         if i == WARMUP:
             start = time.perf_counter()
+        batch = slice(i * global_batch, (i + 1) * global_batch)
+        if shuffle:
+            batch = order[batch]  # an index tensor: x[batch] gathers; a slice is a view
+        xb, yb = x[batch], y[batch]
         loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -235,6 +246,7 @@ def measure(runs: int, steps: int) -> dict:
     configs = {
         "plain_b128": lambda: plain_throughput(BATCH, steps),
         "plain_b256": lambda: plain_throughput(2 * BATCH, steps),
+        "plain_b256_in_order": lambda: plain_throughput(2 * BATCH, steps, shuffle=False),
         "min_ddp_world1": lambda: run_min_ddp(1, steps, 10**9),
         "min_ddp_world2": lambda: run_min_ddp(2, steps, 10**9),
         "min_ddp_world2_logging": lambda: run_min_ddp(2, steps, 10),
@@ -260,7 +272,20 @@ def measure(runs: int, steps: int) -> dict:
         "logging_overhead": 1 - m["min_ddp_world2_logging"] / m["min_ddp_world2"],
     }
     m["runs"] = samples
+    # The same two ratios run by run: how far this machine's noise spreads them.
+    m["ratio_ranges"] = {name: _range([a / b for a, b in zip(samples[num], samples[den])])
+                         for name, num, den in (("ddp2_vs_plain", "min_ddp_world2", "plain_b256"),
+                                                ("world1_vs_plain", "min_ddp_world1", "plain_b128"))}
     return m
+
+
+def _range(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def spread(m: dict, ratio: str) -> str:
+    low, high = m["ratio_ranges"][ratio]
+    return f"{low:.2f}-{high:.2f}"
 
 
 def table(m: dict, runs: int) -> str:
@@ -268,12 +293,16 @@ def table(m: dict, runs: int) -> str:
     higher = {"ddp2_vs_plain", "ddp2_vs_raw", "world1_vs_plain"}
     met = {k: (r[k] >= TARGETS[k]) if k in higher else (r[k] <= TARGETS[k]) for k in TARGETS}
     rows = [
-        ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s", ""),
-        ("plain loop, all cores, batch 128", f"{m['plain_b128']:8.0f} samples/s", ""),
+        ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s", "(shuffled, as min_ddp)"),
+        ("plain loop, all cores, batch 128", f"{m['plain_b128']:8.0f} samples/s", "(shuffled, as min_ddp)"),
+        ("plain loop, batch 256, in storage order", f"{m['plain_b256_in_order']:8.0f} samples/s",
+         f"min_ddp world 2 = {m['min_ddp_world2'] / m['plain_b256_in_order']:.3f}x this (no shuffle, no gather)"),
         ("min_ddp, world 1, batch 128", f"{m['min_ddp_world1']:8.0f} samples/s",
-         f"{r['world1_vs_plain']:.3f}x plain-128 (target >= {TARGETS['world1_vs_plain']})", "world1_vs_plain"),
+         f"{r['world1_vs_plain']:.3f}x plain-128 (runs: {spread(m, 'world1_vs_plain')}; target >= "
+         f"{TARGETS['world1_vs_plain']})", "world1_vs_plain"),
         ("min_ddp, world 2, 2 x 128", f"{m['min_ddp_world2']:8.0f} samples/s",
-         f"{r['ddp2_vs_plain']:.3f}x plain-256 (target >= {TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
+         f"{r['ddp2_vs_plain']:.3f}x plain-256 (runs: {spread(m, 'ddp2_vs_plain')}; target >= "
+         f"{TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
         ("min_ddp, world 2, gloo all-reduce", f"{m['min_ddp_world2_gloo']:8.0f} samples/s",
          f"{m['min_ddp_world2_gloo'] / m['plain_b256']:.3f}x plain-256 (without shared memory)"),
         ("min_ddp, world 2, all-reduce skipped", f"{m['min_ddp_world2_no_allreduce']:8.0f} samples/s",
