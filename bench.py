@@ -10,8 +10,9 @@ compares numbers measured in this same run.
 1. Training throughput (samples/s after warm-up) of min_ddp's own train_epoch at world sizes 1
    and 2, against (a) a plain single-process loop on all cores with the same model, data and
    global batch, shuffled as min_ddp's sampler shuffles (also shown: the same loop reading the
-   data in storage order, which gathers nothing), and (b) a raw DDP loop in the PyTorch tutorial's style (mp.spawn,
-   DistributedSampler, per-sample DataLoader, default threads) at world size 2. Also min_ddp's
+   data in storage order, which gathers nothing), and (b) a raw DDP loop in the PyTorch
+   tutorial's style (mp.spawn, DistributedSampler, per-sample DataLoader, default threads) at
+   world size 2. Also min_ddp's
    DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and
    with no all-reduce at all: the ceiling any all-reduce could reach.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
@@ -75,7 +76,7 @@ def plain_throughput(global_batch: int, steps: int, shuffle: bool = True) -> flo
     shuffle=False: contiguous slices in storage order, nothing gathered: what shuffling costs.
     """
     x, y = bench_data(global_batch * (WARMUP + steps)).tensors
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)) if shuffle else None
     model = bench_model()
     optimizer = optimizer_for(model)
     for i in range(WARMUP + steps):
@@ -273,14 +274,12 @@ def measure(runs: int, steps: int) -> dict:
     }
     m["runs"] = samples
     # The same two ratios run by run: how far this machine's noise spreads them.
-    m["ratio_ranges"] = {name: _range([a / b for a, b in zip(samples[num], samples[den])])
-                         for name, num, den in (("ddp2_vs_plain", "min_ddp_world2", "plain_b256"),
-                                                ("world1_vs_plain", "min_ddp_world1", "plain_b128"))}
+    m["ratio_ranges"] = {}
+    for name, num, den in (("ddp2_vs_plain", "min_ddp_world2", "plain_b256"),
+                           ("world1_vs_plain", "min_ddp_world1", "plain_b128")):
+        per_run = [a / b for a, b in zip(samples[num], samples[den])]
+        m["ratio_ranges"][name] = (min(per_run), max(per_run))
     return m
-
-
-def _range(values: list[float]) -> tuple[float, float]:
-    return min(values), max(values)
 
 
 def spread(m: dict, ratio: str) -> str:
