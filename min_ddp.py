@@ -140,10 +140,11 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     device = next(model.parameters()).device
     interval = torch.zeros(3, dtype=torch.float64, device=device)  # this rank's loss sum, correct, samples
     total = torch.zeros_like(interval)  # the same, summed over every rank
+    steps = len(loader)
     for step, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
         group_start = step - step % args.grad_accum
-        group_end = min(group_start + args.grad_accum, len(loader))
+        group_end = min(group_start + args.grad_accum, steps)
         # Micro-batches before the last of each group stay local: no all-reduce until the last.
         syncing = step + 1 == group_end
         with contextlib.nullcontext() if syncing or not isinstance(model, DDP) else model.no_sync():
@@ -155,8 +156,8 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
             optimizer.zero_grad(set_to_none=True)
         batch = torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
         interval += batch.to(interval)  # no host sync per step: .item() only when logging
-        if (step + 1) % args.log_every == 0 or step + 1 == len(loader):  # always at the last step
-            total += log_interval(interval, epoch, step + 1, len(loader))
+        if (step + 1) % args.log_every == 0 or step + 1 == steps:  # always at the last step
+            total += log_interval(interval, epoch, step + 1, steps)
             interval.zero_()
     loss_sum, _, count = total.tolist()
     return loss_sum / count
