@@ -673,6 +673,11 @@ def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
                 "spawned processes cannot import; define it in a .py file"
             )
         return
+    if not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
+        raise RuntimeError(
+            f"launch: the main script is {main_file!r}, not a file, and every spawned process runs "
+            "the main script again from its file; save it as a .py file and run that"
+        )
     if main_file.endswith(".py") and not _has_main_guard(main_file):
         raise RuntimeError(
             f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "

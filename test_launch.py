@@ -309,6 +309,17 @@ def test_script_without_main_guard_is_rejected(tmp_path):
     assert 'has no `if __name__ == "__main__":` guard' in out.stderr
 
 
+def test_script_read_from_stdin_is_rejected_before_spawning(tmp_path):
+    # The worker is importable, but spawn would make every process run "<stdin>" as a file.
+    (tmp_path / "stdin_worker.py").write_text("def worker(rank, world):\n    pass\n")
+    script = (f"import sys; sys.path[:0] = [{HERE!r}, {str(tmp_path)!r}]\n"
+              "import distributed, stdin_worker\n"
+              "if __name__ == '__main__':\n    distributed.launch(stdin_worker.worker, nprocs=2)\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "the main script is '<stdin>', not a file" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("nprocs, gpus, ok", [(None, 0, 1), (None, 4, 4), (2, 4, 2), (3, 0, 3), (5, 4, None)])
 def test_nprocs_against_visible_gpus(nprocs, gpus, ok):
     if ok is None:
