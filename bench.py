@@ -14,7 +14,8 @@ compares numbers measured in this same run.
    tutorial's style (mp.spawn, DistributedSampler, per-sample DataLoader, default threads) at
    world size 2. Also min_ddp's
    DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and
-   with no all-reduce at all: the ceiling any all-reduce could reach.
+   with no all-reduce at all: the ceiling any all-reduce could reach. And two processes that each
+   run the plain loop at batch 128 on one thread, with no DDP: what two processes reach on these cores.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
    via `torchrun --standalone`, until the command's process exits.
 3. Fail-fast: time from a rank raising to the launcher's exit.
@@ -152,10 +153,27 @@ def no_allreduce(state, bucket):  # no annotations: DDP checks them, and ours wo
     return future
 
 
+def independent_worker(local_rank: int, world_size: int, steps: int, result: str) -> None:
+    """Each rank runs the plain loop on its own model (batch 128, one thread), with no DDP and no
+    collective while timed: what these processes reach on these cores before any DDP cost."""
+    dist.init_process_group(local_rank, world_size)
+    dist.barrier()
+    slowest = dist.reduce(plain_throughput(BATCH, steps), "min").item()  # as min_ddp: the slowest rank
+    if dist.is_primary():
+        with open(result, "w") as f:
+            f.write(str(world_size * slowest))
+    dist.cleanup()
+
+
 def run_min_ddp(world: int, steps: int, log_every: int, allreduce: str = "shared-memory") -> float:
+    return run_launched(min_ddp_worker, world, steps, log_every, allreduce)
+
+
+def run_launched(worker, world: int, *args) -> float:
+    """launch(worker, *args, result_file) on `world` processes; the number rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        dist.launch(min_ddp_worker, steps, log_every, allreduce, result, nprocs=world)
+        dist.launch(worker, *args, result, nprocs=world)
         return float(open(result).read())
 
 
@@ -253,6 +271,7 @@ def measure(runs: int, steps: int) -> dict:
         "min_ddp_world2_logging": lambda: run_min_ddp(2, steps, 10),
         "min_ddp_world2_gloo": lambda: run_min_ddp(2, steps, 10**9, "gloo"),
         "min_ddp_world2_no_allreduce": lambda: run_min_ddp(2, steps, 10**9, "none"),
+        "independent_world2": lambda: run_launched(independent_worker, 2, steps),
         "raw_ddp_world2": lambda: run_raw_ddp(2, steps),
         "raw_ddp_world2_1thread": lambda: run_raw_ddp(2, steps, "1"),
         "launch_s": lambda: wall_time([sys.executable, __file__, "--job"]),
@@ -306,6 +325,8 @@ def table(m: dict, runs: int) -> str:
          f"{m['min_ddp_world2_gloo'] / m['plain_b256']:.3f}x plain-256 (without shared memory)"),
         ("min_ddp, world 2, all-reduce skipped", f"{m['min_ddp_world2_no_allreduce']:8.0f} samples/s",
          f"{m['min_ddp_world2_no_allreduce'] / m['plain_b256']:.3f}x plain-256 (ceiling: compute only)"),
+        ("2 independent plain loops, 1 thread each", f"{m['independent_world2']:8.0f} samples/s",
+         f"{m['independent_world2'] / m['plain_b256']:.3f}x plain-256 (no DDP, no all-reduce: the processes alone)"),
         ("raw DDP (tutorial as written), world 2", f"{m['raw_ddp_world2']:8.0f} samples/s", ""),
         ("raw DDP, 1 thread/process, world 2", f"{m['raw_ddp_world2_1thread']:8.0f} samples/s",
          f"min_ddp = {r['ddp2_vs_raw']:.3f}x the faster raw (target >= {TARGETS['ddp2_vs_raw']})", "ddp2_vs_raw"),
