@@ -454,8 +454,14 @@ class _SharedGradients:
     def __init__(self, memory: torch.Tensor, slot_bytes: int, peers: list, timeout: datetime.timedelta):
         self.rank, self.world, self.slot_bytes = get_rank(), get_world_size(), slot_bytes
         header = self.LINE * (1 + self.world)
-        self.flags = memory[self.LINE:header].view(torch.int64)[:: self.LINE // 8]
+        self.memory = memory  # the mapping must outlive the raw flag pointers below
+        # Each flag is read and written as a plain 8-byte load or store. A tensor op per access costs
+        # 10-40 us on a core that has just swept the gradients through memory, and the last rank to
+        # arrive at the barrier pays that on the critical path of every step.
+        self.flags = [ctypes.c_int64.from_address(memory.data_ptr() + self.LINE * (1 + rank))
+                      for rank in range(self.world)]
         self.slots = memory[header:].view(2, self.world, slot_bytes)
+        self.views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self.peers, self.timeout, self.calls = peers, timeout, 0
 
     @classmethod
@@ -490,21 +496,29 @@ class _SharedGradients:
             dist.all_reduce(grads.div_(self.world))
         else:
             self.calls += 1
-            slots = self.slots[self.calls % 2, :, :nbytes].view(grads.dtype)
+            slots = self._slot_views(self.calls % 2, nbytes, grads.dtype)
             torch.div(grads, self.world, out=slots[self.rank])
             self._meet(self.calls)
             torch.add(slots[0], slots[1], out=grads)
-            for rank in range(2, self.world):
-                grads.add_(slots[rank])
+            for slot in slots[2:]:
+                grads.add_(slot)
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(grads)
         return future
 
+    def _slot_views(self, half: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's slot in this half, cut to the bucket's size and dtype. Made once per bucket
+        shape, as the indexing ops would cost as much as the flags' (see __init__) every call."""
+        key = (half, nbytes, dtype)
+        if key not in self.views:
+            self.views[key] = list(self.slots[half, :, :nbytes].view(dtype))
+        return self.views[key]
+
     def _meet(self, call: int) -> None:
         """Barrier: publish this rank's call number, wait until every rank's flag reaches it."""
-        self.flags[self.rank] = call
+        self.flags[self.rank].value = call
         started, check_at = time.monotonic(), self.CHECK_S
-        while int(self.flags.min()) < call:
+        while min(flag.value for flag in self.flags) < call:
             waited = time.monotonic() - started
             # A peer a few ms behind: spin (a sleeping rank wakes up late on busy cores). Far
             # behind (evaluating, saving): nap, so an oversubscribed machine keeps the core busy.
@@ -517,7 +531,7 @@ class _SharedGradients:
                 check_at = waited + self.CHECK_S
 
     def _check_peers(self, call: int, waited: float) -> None:
-        late = [rank for rank in range(self.world) if int(self.flags[rank]) < call]
+        late = [rank for rank in range(self.world) if self.flags[rank].value < call]
         for rank in late:
             pid, start = self.peers[rank]
             if _process_start(pid) != start:
