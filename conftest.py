@@ -405,4 +405,9 @@ def task_save_expecting_error(spec: dict) -> str:
 
 
 def task_all_gather(spec: dict) -> torch.Tensor:
-    return distributed.all_gather(spec["values"][distributed.get_rank()])
+    value = spec["values"][distributed.get_rank()].clone()
+    if not spec.get("async_op"):
+        return distributed.all_gather(value)
+    future = distributed.all_gather(value, async_op=True)
+    value.copy_(value == 0)  # every element changes, after the call: the result must not
+    return future.wait()

@@ -275,18 +275,24 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     return result.to(out_dtype)
 
 
-def all_gather(value: torch.Tensor | float | int) -> torch.Tensor:
+def all_gather(value: torch.Tensor | float | int, async_op: bool = False) -> torch.Tensor | torch.futures.Future:
     """Every rank's ``value`` stacked in rank order: shape (world_size, *value.shape), on every rank.
 
-    Must be called on all ranks with the same shape and dtype (gather unequal sizes as a padded
-    tensor plus a length). One collective, however many numbers: cheaper than several reduces.
+    Must be called on all ranks, in the same order, with the same shape and dtype (gather unequal
+    sizes as a padded tensor plus a length). One collective, however many numbers: cheaper than
+    several reduces. async_op=True returns a ``torch.futures.Future`` of that tensor at once, and
+    the collective goes on in the background (``.wait()`` for the result); ``value`` may change
+    right after the call, as it is copied first.
     """
     tensor = torch.as_tensor(value).detach()
     if get_world_size() == 1:
-        return tensor.unsqueeze(0).clone()
-    wire = tensor.to(_wire_dtype(tensor.dtype)).contiguous()
+        result = tensor.unsqueeze(0).clone()
+        return _done(result) if async_op else result
+    wire = tensor.to(_wire_dtype(tensor.dtype), memory_format=torch.contiguous_format, copy=async_op)
     parts = [torch.empty_like(wire) for _ in range(get_world_size())]
-    dist.all_gather(parts, wire)
+    work = dist.all_gather(parts, wire, async_op=async_op)
+    if async_op:
+        return work.get_future().then(lambda _: torch.stack(parts).to(tensor.dtype))
     return torch.stack(parts).to(tensor.dtype)
 
 
@@ -502,9 +508,7 @@ class _SharedGradients:
             torch.add(slots[0], slots[1], out=grads)
             for slot in slots[2:]:
                 grads.add_(slot)
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(grads)
-        return future
+        return _done(grads)
 
     def _slot_views(self, half: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's slot in this half, cut to the bucket's size and dtype. Made once per bucket
@@ -1059,6 +1063,12 @@ def _sees(path: str, token: str, peers: list) -> bool:
     except OSError:
         return False
     return all(_process_start(pid) == start for pid, start in peers)
+
+
+def _done(result: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(result)
+    return future
 
 
 def _map_shared(path: str, size: int) -> torch.Tensor | None:

@@ -139,6 +139,7 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     model.train()
     device = next(model.parameters()).device
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's (mean loss, hits) per step
+    logged: tuple[torch.futures.Future, int] | None = None  # a log step's all-gather, and that step
     interval = torch.zeros(3, dtype=torch.float64, device=device)  # this rank's loss sum, correct, samples
     total = torch.zeros_like(interval)  # the same, summed over every rank
     steps = len(loader)
@@ -162,13 +163,20 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
         # optimizer's sweep through memory each small op costs 10-40 us: the eight that computed the
         # sums every step took 150 us: 1.7% of a step of bench.py's world 1 (batch 128, 2 threads).
         pending.append((loss.detach(), logits.argmax(1) == y))
+        if logged is not None:  # started a step ago, so finished: printing it waits for no rank
+            total += log_interval(logged[0].wait(), epoch, logged[1], steps)
+            logged = None
         logging = (step + 1) % args.log_every == 0 or step + 1 == steps  # always at the last step
         if logging or len(pending) == 64:  # 64: the list stays small whatever --log-every is
             interval += interval_stats(pending)
             pending.clear()
         if logging:
-            total += log_interval(interval, epoch, step + 1, steps)
-            interval.zero_()
+            # In the background during the next step: waiting for it here cost 1.5-2 ms per log step
+            # (gloo on busy cores), 2.4% of the step time at --log-every 10 (bench.py).
+            logged = (dist.all_gather(interval, async_op=True), step + 1)
+            interval = torch.zeros_like(interval)
+    if logged is not None:
+        total += log_interval(logged[0].wait(), epoch, logged[1], steps)
     loss_sum, _, count = total.tolist()
     return loss_sum / count
 
@@ -181,14 +189,13 @@ def interval_stats(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
     return torch.stack([losses @ counts, correct, counts.sum()])
 
 
-def log_interval(stats: torch.Tensor, epoch: int, step: int, steps: int) -> torch.Tensor:
+def log_interval(per_rank: torch.Tensor, epoch: int, step: int, steps: int) -> torch.Tensor:
     """Each rank's line, then the global one (sums of sample-weighted sums, never a mean of means).
 
     One all-gather of every rank's (loss sum, correct, samples) serves both, and its sum over the
     ranks (returned) adds up to the epoch's global totals without another collective: 4% of the
-    step time at --log-every 10 with three collectives (print_ranked + reduce), under 2% with one.
+    step time at --log-every 10 with three collectives (print_ranked + reduce).
     """
-    per_rank = dist.all_gather(stats)
     global_stats = per_rank.sum(0)
     if dist.is_primary():
         for rank, row in enumerate(per_rank.tolist()):

@@ -255,11 +255,12 @@ def test_reduce_is_exact_on_small_integers_and_keeps_shape_and_dtype(pools, worl
 
 
 @settings(max_examples=examples(20))
-@given(world=worlds, shape=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(DTYPES), seed=seeds)
-def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, seed):
+@given(world=worlds, shape=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(DTYPES), seed=seeds,
+       async_op=st.booleans())
+def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, seed, async_op):
     gen = torch.Generator().manual_seed(seed)
     values = [torch.randint(0, 2 if dtype == torch.bool else 6, shape, generator=gen).to(dtype) for _ in range(world)]
-    for result in pools.run(world, task_all_gather, {"values": values}):
+    for result in pools.run(world, task_all_gather, {"values": values, "async_op": async_op}):
         assert torch.equal(result, torch.stack(values))
 
 
