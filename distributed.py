@@ -275,7 +275,9 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     return result.to(out_dtype)
 
 
-def all_gather(value: torch.Tensor | float | int, async_op: bool = False) -> torch.Tensor | torch.futures.Future:
+def all_gather(
+    value: torch.Tensor | float | int, async_op: bool = False
+) -> torch.Tensor | torch.futures.Future:
     """Every rank's ``value`` stacked in rank order: shape (world_size, *value.shape), on every rank.
 
     Must be called on all ranks, in the same order, with the same shape and dtype (gather unequal
@@ -1066,6 +1068,7 @@ def _sees(path: str, token: str, peers: list) -> bool:
 
 
 def _done(result: torch.Tensor) -> torch.futures.Future:
+    """A Future that already holds ``result`` (what DDP hooks and async callers wait on)."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(result)
     return future
