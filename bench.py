@@ -1,6 +1,6 @@
 """Benchmarks for distributed.py and min_ddp.py on this machine, side by side in one run.
 
-    python bench.py                 # the table (about 2 minutes on 2 cores)
+    python bench.py                 # the table (about 5 minutes on 2 cores)
     python bench.py --runs 5 --json # more runs; machine-readable
 
 Workload: an MLP 512 -> 1024 -> 1024 -> 10 (1.6M parameters), batch 128 per process, SGD with
