@@ -12,10 +12,10 @@ compares numbers measured in this same run.
    global batch, shuffled as min_ddp's sampler shuffles (also shown: the same loop reading the
    data in storage order, which gathers nothing), and (b) a raw DDP loop in the PyTorch
    tutorial's style (mp.spawn, DistributedSampler, per-sample DataLoader, default threads) at
-   world size 2. Also min_ddp's
-   DDP at world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and
-   with no all-reduce at all: the ceiling any all-reduce could reach. And two processes that each
-   run the plain loop at batch 128 on one thread, with no DDP: what two processes reach on these cores.
+   world size 2. Also min_ddp's DDP at world 2 with gloo's all-reduce instead of shared memory,
+   to show what that buys, and with no all-reduce at all: the ceiling any all-reduce could reach.
+   And two processes that each run the plain loop at batch 128 on one thread, with no DDP: what
+   two processes reach on these cores.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
    via `torchrun --standalone`, until the command's process exits.
 3. Fail-fast: time from a rank raising to the launcher's exit.
@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -184,7 +185,7 @@ def logging_overhead(steps: int, rounds: int = 4) -> float:
     return statistics.median(1 - logged / quiet for quiet, logged in pairs)
 
 
-def run_launched(worker, world: int, *args):
+def run_launched(worker: Callable[..., None], world: int, *args: Any) -> Any:
     """launch(worker, *args, result_file) on `world` processes; the JSON value rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
