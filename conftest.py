@@ -9,7 +9,9 @@ error, and its pool is torn down and restarted on next use.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import multiprocessing.connection
 import os
 import socket
@@ -387,6 +389,21 @@ def task_min_ddp(spec: dict) -> None:
     """min_ddp's own training loop, in a pool worker, with the given command-line flags."""
     import min_ddp
     min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
+
+
+def task_epoch_metrics(spec: dict) -> tuple[float, str]:
+    """min_ddp.train_epoch on this rank's exact shard of spec's float64 data, with a Linear(5, 3) held
+    fixed (lr=0): (the returned global mean loss, what this rank printed)."""
+    import min_ddp
+    data = TensorDataset(spec["x"], spec["y"])
+    loader = min_ddp.batched_loader(data, distributed.data_sampler(data, True, False, pad=False), spec["batch"])
+    torch.manual_seed(spec["seed"])
+    model = nn.Linear(5, 3).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        mean_loss = min_ddp.train_epoch(model, loader, optimizer, argparse.Namespace(grad_accum=1,
+                                        log_every=spec["log_every"]), 0)
+    return mean_loss, out.getvalue()
 
 
 def task_save_ddp_state(spec: dict) -> None:

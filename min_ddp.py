@@ -187,7 +187,7 @@ class EpochMetrics:
             self.pending.clear()
         if logging:
             self.logged = (dist.all_gather(self.interval, async_op=True), step + 1)
-            self.interval = torch.zeros_like(self.interval)
+            self.interval.zero_()  # all_gather copied it
 
     def mean_loss(self) -> float:
         """The global mean training loss of the epoch (after its last step's lines are printed)."""

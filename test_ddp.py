@@ -11,9 +11,6 @@ Tolerances (float64 throughout the training properties):
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import math
 import re
 import uuid
@@ -28,8 +25,9 @@ from torch.utils.data import BatchSampler, TensorDataset
 import distributed
 import min_ddp
 from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
-                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_all_gather, task_eval,
-                      task_grads, task_identity, task_reduce, task_sampler, task_train, train_loader)
+                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_all_gather,
+                      task_epoch_metrics, task_eval, task_grads, task_identity, task_reduce, task_sampler,
+                      task_train, train_loader)
 
 RTOL = ATOL = 1e-9
 
@@ -188,27 +186,27 @@ def test_batched_loader_yields_the_batch_samplers_batches_in_order(n, batch, see
 
 
 @settings(max_examples=examples(40))
-@given(n=st.integers(1, 300), batch=st.integers(1, 40), log_every=st.integers(1, 120), seed=seeds)
-@example(n=200, batch=1, log_every=100, seed=0)  # intervals longer than min_ddp's 64-step fold
-def test_train_epoch_metrics_are_exact_sample_weighted_sums(n, batch, log_every, seed):
-    """With lr=0 the model is fixed, so the epoch's loss and accuracy are known in closed form.
+@given(world=worlds, per_rank=st.integers(1, 150), batch=st.integers(1, 40), log_every=st.integers(1, 120),
+       seed=seeds)
+@example(world=1, per_rank=200, batch=1, log_every=100, seed=0)  # intervals longer than the 64-step fold
+def test_train_epoch_metrics_are_exact_sample_weighted_sums(pools, world, per_rank, batch, log_every, seed):
+    """With lr=0 the model is fixed, so the epoch's global loss and accuracy are known in closed form.
 
     float64 model and data: the only difference from the reference is summation order (rel 1e-12).
-    The logged intervals tile the epoch: their sample and correct counts add up exactly.
+    The logged intervals tile the epoch: their global sample and correct counts add up exactly.
     """
+    n = world * per_rank  # equal shards: every rank logs at the same steps
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n, 5, generator=gen, dtype=torch.float64), torch.randint(3, (n,), generator=gen)
+    results = pools.run(world, task_epoch_metrics, {"x": x, "y": y, "batch": batch, "log_every": log_every,
+                                                     "seed": seed})
     torch.manual_seed(seed)
-    model = torch.nn.Linear(5, 3).double()
-    loader = min_ddp.batched_loader(TensorDataset(x, y), range(n), batch)
-    args = argparse.Namespace(grad_accum=1, log_every=log_every)
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        mean_loss = min_ddp.train_epoch(model, loader, torch.optim.SGD(model.parameters(), lr=0.0), args, 0)
     with torch.no_grad():
-        logits = model(x)
-    assert mean_loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-12)
-    lines = [line for line in out.getvalue().splitlines() if line.startswith("[global]")]
-    steps = len(loader)
+        logits = torch.nn.Linear(5, 3).double()(x)
+    for mean_loss, _ in results:
+        assert mean_loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-12)
+    lines = [line for line in results[0][1].splitlines() if line.startswith("[global]")]
+    steps = -(-per_rank // batch)
     assert len(lines) == steps // log_every + (steps % log_every != 0)  # and always at the last step
     counts = [re.search(r"\((\d+)/(\d+)\)$", line).groups() for line in lines]
     assert sum(int(total) for _, total in counts) == n
