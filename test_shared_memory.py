@@ -71,7 +71,7 @@ JOB = textwrap.dedent('''
 
 # Runs the rest of the command with its own, empty /dev/shm of the given size.
 PRIVATE_SHM = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs /dev/shm && exec "$@"']
-WIDE = 4096  # Linear(4096, 8): 128 KiB of gradients, 512 KiB of slots for two ranks
+WIDE = 4096  # Linear(4096, 8): 128 KiB of gradients, so 128 KiB of /dev/shm for two ranks
 
 
 def private_shm_unavailable() -> str | None:
