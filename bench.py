@@ -1,21 +1,23 @@
 """Benchmarks for distributed.py and min_ddp.py on this machine, side by side in one run.
 
-    python bench.py                 # the table (about 5 minutes on 2 cores)
+    python bench.py                 # the table (about 4 minutes on 2 cores)
     python bench.py --runs 5 --json # more runs; machine-readable
 
 Workload: an MLP 512 -> 1024 -> 1024 -> 10 (1.6M parameters), batch 128 per process, SGD with
 momentum, in-memory synthetic data. Every number is the median of --runs runs; every ratio
-compares numbers measured in this same run.
+compares numbers measured in this same run (a throughput ratio: the median of its turns' ratios).
 
 1. Training throughput (samples/s after warm-up) of min_ddp's own train_epoch at world sizes 1
    and 2, against (a) a plain single-process loop on all cores with the same model, data and
-   global batch, shuffled as min_ddp's sampler shuffles (also shown: the same loop reading the
-   data in storage order, which gathers nothing), and (b) a raw DDP loop in the PyTorch
+   global batch, shuffled as min_ddp's sampler shuffles, and (b) a raw DDP loop in the PyTorch
    tutorial's style (mp.spawn, DistributedSampler, per-sample DataLoader, default threads) at
-   world size 2. Also min_ddp's DDP at world 2 with gloo's all-reduce instead of shared memory,
-   to show what that buys, and with no all-reduce at all: the ceiling any all-reduce could reach.
-   And two processes that each run the plain loop at batch 128 on one thread, with no DDP: what
-   two processes reach on these cores.
+   world size 2. min_ddp's epochs and the plain loop's take turns in one job (rank 0 runs the
+   plain loop while the other rank sleeps in a barrier): this VM switches between a fast and a
+   slow phase for seconds at a time, so separate jobs differ by up to 15%. Also, as separate
+   jobs: the plain loop reading the data in storage order (gathers nothing); min_ddp's DDP at
+   world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and with no
+   all-reduce at all: the ceiling any all-reduce could reach; and two processes that each run
+   the plain loop at batch 128 on one thread, with no DDP: what two processes reach on these cores.
 2. Launch: wall time of a trivial 2-process job (init, one all-reduce, exit) via launch() and
    via `torchrun --standalone`, until the command's process exits.
 3. Fail-fast: time from a rank raising to the launcher's exit.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import socket
@@ -71,39 +74,47 @@ def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------------------------------------
 
 
-def plain_throughput(global_batch: int, steps: int, shuffle: bool = True) -> float:
+def plain_loop(global_batch: int, steps: int, shuffle: bool = True) -> Callable[[int], float]:
     """The fastest honest single-process loop: no DataLoader, all cores, and min_ddp's batches.
+    Returns run(n): n more steps (n <= steps) on the same model, in a new order; samples/s.
 
     shuffle=True: a random order, each batch gathered with one index tensor inside the loop, as
     min_ddp's sampler and batched_loader do (its ranks' batches together are such global batches).
     shuffle=False: contiguous slices in storage order, nothing gathered: what shuffling costs.
     """
-    x, y = bench_data(global_batch * (WARMUP + steps)).tensors
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)) if shuffle else None
+    x, y = bench_data(global_batch * steps).tensors
     model = bench_model()
     optimizer = optimizer_for(model)
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            start = time.perf_counter()
-        batch = slice(i * global_batch, (i + 1) * global_batch)
-        if shuffle:
-            batch = order[batch]  # an index tensor: x[batch] gathers; a slice is a view
-        xb, yb = x[batch], y[batch]
-        loss = F.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return global_batch * steps / (time.perf_counter() - start)
+    epochs = itertools.count()
+
+    def run(n: int) -> float:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(next(epochs)))
+        start = time.perf_counter()
+        for i in range(n):
+            batch = slice(i * global_batch, (i + 1) * global_batch)
+            if shuffle:
+                batch = order[batch]  # an index tensor: x[batch] gathers; a slice is a view
+            xb, yb = x[batch], y[batch]
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return global_batch * n / (time.perf_counter() - start)
+    return run
 
 
-def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: tuple[int, ...], rounds: int,
-                   allreduce: str, result: str) -> None:
-    """min_ddp's own setup and train_epoch on the benchmark model; writes global samples/s as JSON:
-    for each of `rounds` rounds, one timed epoch per value of log_every, in turn.
+def plain_throughput(global_batch: int, steps: int, shuffle: bool = True) -> float:
+    run = plain_loop(global_batch, steps, shuffle)
+    run(WARMUP)
+    return run(steps)
+
+
+def min_ddp_trainer(device: torch.device, steps: int, allreduce: str) -> Callable[[int], float]:
+    """min_ddp's own setup and train_epoch on the benchmark model, warmed up. Returns
+    epoch(log_every): one timed epoch of `steps` steps; global samples/s (of the slowest rank).
 
     allreduce: "shared-memory" (min_ddp's), "gloo" (DDP's own), or "none": a hook that skips the
     all-reduce (wrong training, but the throughput ceiling of any all-reduce)."""
-    device = dist.init_process_group(local_rank, world_size)
     model = bench_model().to(device)
     if allreduce == "shared-memory":
         ddp_model = min_ddp.wrap(model, device, 300)[0]
@@ -112,23 +123,54 @@ def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: tupl
         if allreduce == "none":
             ddp_model.register_comm_hook(None, no_allreduce)
     optimizer = optimizer_for(model)
-    settings = [argparse.Namespace(grad_accum=1, log_every=every) for every in (10**9, *log_every)]
+    world = dist.get_world_size()
     warm, timed = (min_ddp.batched_loader(data, dist.data_sampler(data, True, True), BATCH)
-                   for data in (bench_data(BATCH * world_size * n) for n in (WARMUP, steps)))
-    samples_per_s = []
-    with contextlib.redirect_stdout(io.StringIO()):  # the metric lines are part of the cost, not the output
-        min_ddp.train_epoch(ddp_model, warm, optimizer, settings[0], 0)
-        for _ in range(rounds):
-            samples_per_s.append([])
-            for args in settings[1:]:
-                dist.barrier()
-                start = time.perf_counter()
-                min_ddp.train_epoch(ddp_model, timed, optimizer, args, 1)
-                elapsed = dist.reduce(time.perf_counter() - start, "max").item()
-                samples_per_s[-1].append(BATCH * world_size * steps / elapsed)
+                   for data in (bench_data(BATCH * world * n) for n in (WARMUP, steps)))
+    quiet = contextlib.redirect_stdout(io.StringIO())  # the metric lines are part of the cost, not the output
+    with quiet:
+        min_ddp.train_epoch(ddp_model, warm, optimizer, argparse.Namespace(grad_accum=1, log_every=10**9), 0)
+
+    def epoch(log_every: int) -> float:
+        args = argparse.Namespace(grad_accum=1, log_every=log_every)
+        dist.barrier()
+        start = time.perf_counter()
+        with quiet:
+            min_ddp.train_epoch(ddp_model, timed, optimizer, args, 1)
+        return BATCH * world * steps / dist.reduce(time.perf_counter() - start, "max").item()
+    return epoch
+
+
+def min_ddp_worker(local_rank: int, world_size: int, steps: int, log_every: tuple[int, ...], rounds: int,
+                   allreduce: str, result: str) -> None:
+    """Writes min_ddp's global samples/s as JSON: for each of `rounds` rounds, one timed epoch per
+    value of log_every, in turn."""
+    epoch = min_ddp_trainer(dist.init_process_group(local_rank, world_size), steps, allreduce)
+    samples_per_s = [[epoch(every) for every in log_every] for _ in range(rounds)]
     if dist.is_primary():
         with open(result, "w") as f:
             json.dump(samples_per_s, f)
+    dist.cleanup()
+
+
+def turns_worker(local_rank: int, world_size: int, steps: int, rounds: int, plain_threads: int,
+                 result: str) -> None:
+    """min_ddp's epochs and the plain loop's (the same global batch, `plain_threads` threads) take
+    turns in one job; writes [plain, min_ddp] samples/s per round as JSON. The plain loop runs on
+    rank 0 while the other ranks sleep in a barrier, so each turn has the cores to itself."""
+    epoch = min_ddp_trainer(dist.init_process_group(local_rank, world_size), steps, "shared-memory")
+    plain = plain_loop(BATCH * world_size, steps) if dist.is_primary() else None
+    rank_threads, pairs, plain_samples_per_s = torch.get_num_threads(), [], None
+    for turn in range(rounds + 1):  # turn 0 warms the plain loop up; the others wait in epoch()'s barrier
+        if plain:
+            torch.set_num_threads(plain_threads)
+            plain_samples_per_s = plain(steps if turn else WARMUP)
+            torch.set_num_threads(rank_threads)
+        ddp_samples_per_s = epoch(10**9)
+        if turn:
+            pairs.append([plain_samples_per_s, ddp_samples_per_s])
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump(pairs, f)
     dist.cleanup()
 
 
@@ -176,6 +218,17 @@ def independent_worker(local_rank: int, world_size: int, steps: int, result: str
 def run_min_ddp(world: int, steps: int, allreduce: str = "shared-memory") -> float:
     """min_ddp's samples/s, metrics only at the end of the epoch."""
     return run_launched(min_ddp_worker, world, steps, (10**9,), 1, allreduce)[0][0]
+
+
+def turns(world: int, steps: int, rounds: int = 8) -> dict[str, float]:
+    """min_ddp at `world` against the plain loop on the same global batch, epochs taking turns in
+    one job: medians of each, and the median of the rounds' ratios. Separate jobs here differ by
+    up to 15% (this VM switches between a fast and a slow phase for seconds at a time), so only
+    turns within one job compare the two at the same moment."""
+    pairs = run_launched(turns_worker, world, steps, rounds, torch.get_num_threads())
+    return {"plain": statistics.median(plain for plain, _ in pairs),
+            "min_ddp": statistics.median(ddp for _, ddp in pairs),
+            "ratio": statistics.median(ddp / plain for plain, ddp in pairs)}
 
 
 def logging_overhead(steps: int, rounds: int = 4) -> float:
@@ -280,11 +333,9 @@ def measure(runs: int, steps: int) -> dict:
     """Each run measures every configuration once, interleaved, so that slow phases of the
     machine hit all of them alike; the report takes each one's median over the runs."""
     configs = {
-        "plain_b128": lambda: plain_throughput(BATCH, steps),
-        "plain_b256": lambda: plain_throughput(2 * BATCH, steps),
+        "world1_turns": lambda: turns(1, steps),
+        "world2_turns": lambda: turns(2, steps),
         "plain_b256_in_order": lambda: plain_throughput(2 * BATCH, steps, shuffle=False),
-        "min_ddp_world1": lambda: run_min_ddp(1, steps),
-        "min_ddp_world2": lambda: run_min_ddp(2, steps),
         "min_ddp_world2_gloo": lambda: run_min_ddp(2, steps, "gloo"),
         "min_ddp_world2_no_allreduce": lambda: run_min_ddp(2, steps, "none"),
         "independent_world2": lambda: run_launched(independent_worker, 2, steps),
@@ -295,26 +346,28 @@ def measure(runs: int, steps: int) -> dict:
         "fail_fast_s": fail_fast_latency,
         "logging_overhead": lambda: logging_overhead(steps),
     }
-    samples: dict[str, list[float]] = {name: [] for name in configs}
+    samples: dict[str, list[Any]] = {name: [] for name in configs}
     for _ in range(runs):
         for name, run in configs.items():
             samples[name].append(run())
-    m = {name: statistics.median(values) for name, values in samples.items()}
+    m: dict[str, Any] = {name: statistics.median(values) for name, values in samples.items()
+                         if not name.endswith("_turns")}
+    for world, plain, ddp in ((1, "plain_b128", "min_ddp_world1"), (2, "plain_b256", "min_ddp_world2")):
+        pairs = samples[f"world{world}_turns"]
+        m[plain] = statistics.median(run["plain"] for run in pairs)
+        m[ddp] = statistics.median(run["min_ddp"] for run in pairs)
+    per_run = {name: [run["ratio"] for run in samples[f"world{world}_turns"]]
+               for name, world in (("ddp2_vs_plain", 2), ("world1_vs_plain", 1))}
     m["ratios"] = {
-        "ddp2_vs_plain": m["min_ddp_world2"] / m["plain_b256"],
+        "ddp2_vs_plain": statistics.median(per_run["ddp2_vs_plain"]),
         "ddp2_vs_raw": m["min_ddp_world2"] / max(m["raw_ddp_world2"], m["raw_ddp_world2_1thread"]),
-        "world1_vs_plain": m["min_ddp_world1"] / m["plain_b128"],
+        "world1_vs_plain": statistics.median(per_run["world1_vs_plain"]),
         "launch_vs_torchrun": m["launch_s"] / m["torchrun_s"],
         "fail_fast_s": m["fail_fast_s"],
         "logging_overhead": m["logging_overhead"],
     }
     m["runs"] = samples
-    # The same two ratios run by run: how far this machine's noise spreads them.
-    m["ratio_ranges"] = {}
-    for name, num, den in (("ddp2_vs_plain", "min_ddp_world2", "plain_b256"),
-                           ("world1_vs_plain", "min_ddp_world1", "plain_b128")):
-        per_run = [a / b for a, b in zip(samples[num], samples[den])]
-        m["ratio_ranges"][name] = (min(per_run), max(per_run))
+    m["ratio_ranges"] = {name: (min(values), max(values)) for name, values in per_run.items()}
     return m
 
 
@@ -328,16 +381,18 @@ def table(m: dict, runs: int) -> str:
     higher = {"ddp2_vs_plain", "ddp2_vs_raw", "world1_vs_plain"}
     met = {k: (r[k] >= TARGETS[k]) if k in higher else (r[k] <= TARGETS[k]) for k in TARGETS}
     rows = [
-        ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s", "(shuffled, as min_ddp)"),
-        ("plain loop, all cores, batch 128", f"{m['plain_b128']:8.0f} samples/s", "(shuffled, as min_ddp)"),
+        ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s",
+         "(shuffled, as min_ddp; epochs take turns with the next row's in one job)"),
+        ("min_ddp, world 2, 2 x 128", f"{m['min_ddp_world2']:8.0f} samples/s",
+         f"{r['ddp2_vs_plain']:.3f}x plain-256, turn by turn (runs: {spread(m, 'ddp2_vs_plain')}; target >= "
+         f"{TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
+        ("plain loop, all cores, batch 128", f"{m['plain_b128']:8.0f} samples/s",
+         "(shuffled, as min_ddp; epochs take turns with the next row's in one process)"),
+        ("min_ddp, world 1, batch 128", f"{m['min_ddp_world1']:8.0f} samples/s",
+         f"{r['world1_vs_plain']:.3f}x plain-128, turn by turn (runs: {spread(m, 'world1_vs_plain')}; target >= "
+         f"{TARGETS['world1_vs_plain']})", "world1_vs_plain"),
         ("plain loop, batch 256, in storage order", f"{m['plain_b256_in_order']:8.0f} samples/s",
          f"min_ddp world 2 = {m['min_ddp_world2'] / m['plain_b256_in_order']:.3f}x this (no shuffle, no gather)"),
-        ("min_ddp, world 1, batch 128", f"{m['min_ddp_world1']:8.0f} samples/s",
-         f"{r['world1_vs_plain']:.3f}x plain-128 (runs: {spread(m, 'world1_vs_plain')}; target >= "
-         f"{TARGETS['world1_vs_plain']})", "world1_vs_plain"),
-        ("min_ddp, world 2, 2 x 128", f"{m['min_ddp_world2']:8.0f} samples/s",
-         f"{r['ddp2_vs_plain']:.3f}x plain-256 (runs: {spread(m, 'ddp2_vs_plain')}; target >= "
-         f"{TARGETS['ddp2_vs_plain']})", "ddp2_vs_plain"),
         ("min_ddp, world 2, gloo all-reduce", f"{m['min_ddp_world2_gloo']:8.0f} samples/s",
          f"{m['min_ddp_world2_gloo'] / m['plain_b256']:.3f}x plain-256 (without shared memory)"),
         ("min_ddp, world 2, all-reduce skipped", f"{m['min_ddp_world2_no_allreduce']:8.0f} samples/s",
