@@ -455,10 +455,11 @@ class _SharedGradients:
     writes its shares of the other ranks' chunks; barrier; each owner sums its chunk and writes
     the sum back over those shares; barrier; each rank copies the other chunks' sums into its
     bucket. A region is only ever used by its rank p and owner c, in turn, with a barrier at each
-    hand-over (p writes | c reads, writes | p reads, then writes the next call), so one grid
-    serves every call and every bucket. Bench.py: 3% more samples/s than each rank summing every
-    rank's whole slot (one slot per rank and two halves in turn: three times the memory, so more
-    of it falls out of the cache that both ranks' models share).
+    hand-over (p writes | c reads, writes | p reads, then writes the next call), so one set of
+    regions serves every call and every bucket. Measured here at world 2, in separate jobs taking
+    turns: about 2% more samples/s than each rank summing every rank's whole slot, in two halves
+    used in turn (three times the memory, more of which falls out of the cache that both ranks'
+    models share; that scheme in halves gains nothing).
 
     Flags and regions are plain stores and loads. This relies on x86-64 never reordering a store
     with an earlier store or load, nor a load with an earlier load (a rank that sees a flag sees
