@@ -88,7 +88,8 @@ def plain_loop(global_batch: int, steps: int, shuffle: bool = True) -> Callable[
     epochs = itertools.count()
 
     def run(n: int) -> float:
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(next(epochs)))
+        generator = torch.Generator().manual_seed(next(epochs))  # a new order every run
+        order = torch.randperm(len(x), generator=generator) if shuffle else None
         start = time.perf_counter()
         for i in range(n):
             batch = slice(i * global_batch, (i + 1) * global_batch)

@@ -530,8 +530,8 @@ class _SharedGradients:
     def _sum_chunk(self, mine: torch.Tensor, shares: list[torch.Tensor]) -> None:
         """Owner's step: every rank's share of my chunk summed in rank order, into ``mine`` and
         over the peers' shares. My own share is fused into its add as ``mine * (1 / world)``: for
-        two ranks that is bitwise gloo's result (a + b = b + a; halving is exact unless a gradient
-        is below 2**-125), for more it may differ in the last bit, never between ranks."""
+        two ranks that is bitwise gloo's result (a + b = b + a, and halving is exact unless the half
+        is subnormal), for more it may differ in the last bit, never between ranks."""
         peers = [rank for rank in range(self.world) if rank != self.rank]
         before, after = peers[:self.rank], peers[self.rank:]
         if before:  # ranks below mine: their running sum, then + my share
