@@ -527,23 +527,25 @@ class _SharedGradients:
                 chunk.copy_(regions[owner][me])
         return _done(grads)
 
-    def _sum_chunk(self, mine: torch.Tensor, shares: list[torch.Tensor]) -> None:
+    def _sum_chunk(self, mine: torch.Tensor, shares: list[Any]) -> None:
         """Owner's step: every rank's share of my chunk summed in rank order, into ``mine`` and
         over the peers' shares. My own share is fused into its add as ``mine * (1 / world)``: for
         two ranks that is bitwise gloo's result (a + b = b + a, and halving is exact unless the half
         is subnormal), for more it may differ in the last bit, never between ranks."""
-        peers = [rank for rank in range(self.world) if rank != self.rank]
-        before, after = peers[:self.rank], peers[self.rank:]
-        if before:  # ranks below mine: their running sum, then + my share
-            for rank in before[1:]:
-                shares[before[0]].add_(shares[rank])
-            torch.add(shares[before[0]], mine, alpha=1 / self.world, out=mine)
-        else:  # rank 0: rank 1's share + mine, which is bitwise mine + rank 1's
-            torch.add(shares[after.pop(0)], mine, alpha=1 / self.world, out=mine)
-        for rank in after:
+        world, me = self.world, self.rank
+        if me == 0:  # rank 1's share + mine, which is bitwise mine + rank 1's
+            torch.add(shares[1], mine, alpha=1 / world, out=mine)
+            later = range(2, world)
+        else:  # the ranks below mine summed in rank 0's region, then + my share
+            for rank in range(1, me):
+                shares[0].add_(shares[rank])
+            torch.add(shares[0], mine, alpha=1 / world, out=mine)
+            later = range(me + 1, world)
+        for rank in later:
             mine.add_(shares[rank])
-        for rank in peers:
-            shares[rank].copy_(mine)
+        for rank in range(world):
+            if rank != me:
+                shares[rank].copy_(mine)
 
     def _regions(self, numel: int, dtype: torch.dtype) -> tuple[list[int], list[list[Any]]]:
         """The chunk sizes (as tensor_split cuts) and region (c, p) cut to chunk c (None for p = c),
@@ -551,11 +553,14 @@ class _SharedGradients:
         the flags' (see __init__) every call."""
         key = (numel, dtype)
         if key not in self.views:
-            world, size = self.world, dtype.itemsize
+            world = self.world
             sizes = [numel // world + (c < numel % world) for c in range(world)]
-            self.views[key] = (sizes, [[self.regions[c * (world - 1) + p - (p > c), :n * size].view(dtype)
-                                        if p != c else None for p in range(world)]
-                                       for c, n in enumerate(sizes)])
+
+            def region(c: int, p: int) -> torch.Tensor | None:  # row-major, the diagonal left out
+                if p == c:
+                    return None
+                return self.regions[c * (world - 1) + p - (p > c), :sizes[c] * dtype.itemsize].view(dtype)
+            self.views[key] = (sizes, [[region(c, p) for p in range(world)] for c in range(world)])
         return self.views[key]
 
     def _meet(self, call: int) -> None:
