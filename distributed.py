@@ -265,10 +265,9 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     out_dtype = _reduce_dtype(tensor.dtype, op)
     result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
     if get_world_size() > 1:
-        on_cpu_nccl = dist.get_backend() == "nccl" and result.device.type != "cuda"
-        wire = result.cuda() if on_cpu_nccl else result
         torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        wire = result.to(_wire_device(dist.get_backend(), result.device))
         dist.all_reduce(wire, op=torch_op)
         result = wire.to(result.device)
     if op == "mean":
@@ -291,12 +290,13 @@ def all_gather(
     if get_world_size() == 1:
         result = tensor.unsqueeze(0).clone()
         return _done(result) if async_op else result
-    wire = tensor.to(_wire_dtype(tensor.dtype), memory_format=torch.contiguous_format, copy=async_op)
+    wire = tensor.to(_wire_device(dist.get_backend(), tensor.device), _wire_dtype(tensor.dtype),
+                     memory_format=torch.contiguous_format, copy=async_op)
     parts = [torch.empty_like(wire) for _ in range(get_world_size())]
     work = dist.all_gather(parts, wire, async_op=async_op)
     if async_op:
-        return work.get_future().then(lambda _: torch.stack(parts).to(tensor.dtype))
-    return torch.stack(parts).to(tensor.dtype)
+        return work.get_future().then(lambda _: torch.stack(parts).to(tensor.device, tensor.dtype))
+    return torch.stack(parts).to(tensor.device, tensor.dtype)
 
 
 def barrier() -> None:
@@ -331,13 +331,8 @@ def print_ranked(*args: Any, sep: str = " ") -> None:
 
     The lines are gathered to the primary and printed there (one collective, no interleaving).
     """
-    line = f"[rank {get_rank()}] " + sep.join(str(a) for a in args)
-    if get_world_size() == 1:
-        print(line, flush=True)
-        return
-    lines = [None] * get_world_size() if is_primary() else None
-    dist.gather_object(line, lines, dst=0)
-    if lines is not None:
+    lines = _all_gather_text(f"[rank {get_rank()}] " + sep.join(str(a) for a in args))
+    if is_primary():
         print("\n".join(lines), flush=True)
 
 
@@ -364,18 +359,16 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """
     state = _strip_wrapper_prefixes(state)
     _check_weights_only(state, "state")
-    failure = None
+    error = None
     if is_primary():
         try:
             _atomic_save(state, os.fspath(path))
         except OSError as e:
-            failure = (e.errno, e.strerror or str(e))
-    if get_world_size() > 1:
-        box = [failure]
-        dist.broadcast_object_list(box, src=0)
-        failure = box[0]
-    if failure is not None:
-        errno, reason = failure
+            error = e
+    # The outcome travels as a number (the errno; 0: saved): every rank learns it in one collective.
+    errno = int(reduce(0 if error is None else error.errno or -1, "max"))
+    if errno != 0:
+        reason = error.strerror or str(error) if error is not None else os.strerror(errno)
         raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "
                              "untouched: check the directory exists and is writable", os.fspath(path))
 
@@ -490,12 +483,14 @@ class _SharedGradients:
         world = get_world_size()
         region_bytes = -(-(-(-bucket_bytes // world) + 16) // cls.LINE) * cls.LINE
         size = cls.LINE * (1 + world) + world * (world - 1) * region_bytes
-        token = os.urandom(16).hex()
+        token = int.from_bytes(os.urandom(8), "little") >> 1  # a positive int64
         created = _create_shm_file(size, token) if is_primary() and local_ok else None
         try:
-            infos: list[Any] = [None] * world
-            dist.all_gather_object(infos, (local_ok, os.getpid(), _process_start(os.getpid()), created, token))
-            path, token = infos[0][3], infos[0][4]
+            # Plain integers as one tensor: torch's object collectives would need numpy.
+            mine = [local_ok, os.getpid(), _process_start(os.getpid()) or -1, created is not None, token]
+            infos = all_gather(torch.tensor([int(v) for v in mine], dtype=torch.int64)).tolist()
+            _, pid0, _, created0, token = infos[0]
+            path = _shm_path(pid0, token) if created0 else None
             peers = [(pid, start) for _, pid, start, _, _ in infos]
             # Checked before mapping: torch.from_file(shared=True) creates a missing file, which on
             # another host would leave a stray one in its /dev/shm.
@@ -936,6 +931,23 @@ def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     return dtype
 
 
+def _wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective: nccl moves CUDA tensors only (this rank's GPU)."""
+    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device  # "cuda": the current GPU
+
+
+def _all_gather_text(text: str) -> list[str]:
+    """Every rank's string, in rank order, on every rank; must be called on all ranks.
+
+    As tensors (lengths, then UTF-8 bytes padded to the longest): torch's object collectives
+    pickle through numpy, which torch does not install.
+    """
+    data = list(text.encode())
+    lengths = all_gather(len(data)).tolist()
+    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
+
+
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
     return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
@@ -1075,22 +1087,26 @@ def _shared_memory_hook(state, bucket):  # no annotations: DDP checks them, and 
     return state.allreduce(bucket.buffer())
 
 
-def _create_shm_file(size: int, token: str) -> str | None:
-    """A new /dev/shm file of ``size`` bytes starting with ``token``; None if there is no room.
+def _shm_path(pid: int, token: int) -> str:
+    return f"/dev/shm/distributed-py-grads-{pid}-{token:x}"
 
-    It may take at most half of the free space: DataLoader workers pass their batches through
-    /dev/shm too, and a full one makes them fail.
+
+def _create_shm_file(size: int, token: int) -> str | None:
+    """A new /dev/shm file of ``size`` bytes starting with ``token``; its path, or None if there is
+    no room. It may take at most half of the free space: DataLoader workers pass their batches
+    through /dev/shm too, and a full one makes them fail.
     """
+    path = _shm_path(os.getpid(), token)
     try:
         free = os.statvfs("/dev/shm")
         if size > free.f_bavail * free.f_frsize // 2:
             return None
-        fd, path = tempfile.mkstemp(prefix="distributed-py-grads-", dir="/dev/shm")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     try:
         os.posix_fallocate(fd, 0, size)  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS later
-        os.pwrite(fd, token.encode(), 0)
+        os.pwrite(fd, token.to_bytes(8, "little"), 0)
         return path
     except OSError:
         os.unlink(path)
@@ -1099,11 +1115,11 @@ def _create_shm_file(size: int, token: str) -> str | None:
         os.close(fd)
 
 
-def _sees(path: str, token: str, peers: list) -> bool:
+def _sees(path: str, token: int, peers: list) -> bool:
     """This rank opens rank 0's file (same /dev/shm) and sees every peer's process (same PIDs)."""
     try:
         with open(path, "rb") as f:
-            if f.read(len(token)) != token.encode():
+            if f.read(8) != token.to_bytes(8, "little"):
                 return False
     except OSError:
         return False
@@ -1124,14 +1140,14 @@ def _map_shared(path: str, size: int) -> torch.Tensor | None:
         return None
 
 
-def _process_start(pid: int) -> str | None:
+def _process_start(pid: int) -> int | None:
     """A live process's start time (identifies it across PID reuse); None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state, *fields = f.read().rpartition(")")[2].split()
     except OSError:
         return None
-    return None if state in ("Z", "X") else fields[18]
+    return None if state in ("Z", "X") else int(fields[18])
 
 
 def _exit_report(rank: int, exitcode: int) -> dict:

@@ -12,6 +12,7 @@ Tolerances (float64 throughout the training properties):
 from __future__ import annotations
 
 import math
+import os
 import re
 import uuid
 
@@ -24,7 +25,7 @@ from torch.utils.data import BatchSampler, TensorDataset
 
 import distributed
 import min_ddp
-from conftest import (build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
+from conftest import (HERE, build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
                       loss_fn, make_optimizer, one_thread, run_script, run_steps, task_all_gather,
                       task_epoch_metrics, task_eval, task_grads, task_identity, task_reduce, task_sampler,
                       task_train, train_loader)
@@ -269,6 +270,13 @@ def test_reduce_accepts_python_numbers(pools):
     assert all(r["result"].item() == 1.0 for r in results)
 
 
+@pytest.mark.parametrize("backend, device, wire", [("gloo", "cpu", "cpu"), ("nccl", "cpu", "cuda"),
+                                                    ("nccl", "cuda:1", "cuda:1"), ("gloo", "cuda:0", "cuda:0")])
+def test_collectives_move_cpu_tensors_to_the_gpu_only_under_nccl(backend, device, wire):
+    """nccl moves CUDA tensors only ("cuda": the current device); gloo takes tensors where they are."""
+    assert distributed._wire_device(backend, torch.device(device)) == torch.device(wire)
+
+
 def test_reduce_in_one_process_is_a_copy():
     value = torch.tensor([1.0, 2.0], requires_grad=True)
     out = distributed.reduce(value, "sum")
@@ -377,6 +385,55 @@ def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
     assert float(done["val_acc"]) >= 0.90 and float(done["samples_per_s"]) > 0
     assert {"train_loss", "val_loss"} <= done.keys()
     assert leftover_processes(marker) == []
+
+
+PRINT_RANKED = """
+import sys
+import distributed as dist
+
+def worker(local_rank, world_size):
+    dist.init_process_group(local_rank, world_size)
+    dist.print_ranked("é" * dist.get_rank(), "line", dist.get_rank(), sep="|")  # lines of unequal length
+    dist.cleanup()
+
+if __name__ == "__main__":
+    dist.launch(worker, nprocs=int(sys.argv[1]))
+"""
+
+
+def without_numpy(tmp_path) -> dict:
+    """An environment whose interpreters, spawned ranks included, fail to `import numpy`, as on a
+    machine where only requirements.txt is installed (torch does not depend on numpy)."""
+    site = tmp_path / "no-numpy"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["numpy"] = None\n')
+    return {"PYTHONPATH": os.pathsep.join([str(site), HERE])}
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_print_ranked_prints_one_line_per_rank_in_rank_order_without_numpy(tmp_path, world):
+    script = tmp_path / "ranked.py"
+    script.write_text(PRINT_RANKED)
+    out = run_script([str(script), str(world)], timeout=120, env=without_numpy(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"[rank {r}] {'é' * r}|line|{r}" for r in range(world)]
+
+
+def test_min_ddp_saves_and_resumes_on_two_processes_without_numpy(tmp_path):
+    """The quick start with --snapshot, in interpreters where numpy cannot be imported: every
+    collective (the shared-memory set-up, save_checkpoint, the metrics) must travel as tensors."""
+    env = without_numpy(tmp_path)
+    check = run_script(["-c", "import numpy"], env=env)
+    assert check.returncode != 0, "the sitecustomize must hide numpy"
+    snapshot = tmp_path / "s.pt"
+    flags = ["min_ddp.py", "--nprocs", "2", "--snapshot", str(snapshot), "--log-every", "64"]
+    first = run_script([*flags, "--epochs", "1"], env=env)
+    assert first.returncode == 0, first.stderr
+    assert "allreduce=shared-memory" in first.stdout and "done: world=2 epochs=1" in first.stdout
+    second = run_script([*flags, "--epochs", "2"], env=env)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {snapshot} after 1 epoch(s)" in second.stdout
+    assert "epoch 2/2" in second.stdout and "done: world=2 epochs=2" in second.stdout
 
 
 # ---------------------------------------------------------------------------------------------
