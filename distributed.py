@@ -1,16 +1,15 @@
 """Data-parallel training in one file: copy it next to your training script.
 
-    import distributed as dist
+    import distributed
 
     def main_worker(local_rank: int, world_size: int, args) -> None:
-        device = dist.init_process_group(local_rank, world_size)
-        sampler = dist.data_sampler(dataset, dist.get_world_size() > 1, shuffle=True)
-        ddp = DDP(model)           # world > 1; then dist.shared_memory_allreduce(ddp): faster on CPU
-        ...                        # sampler.set_epoch(epoch), dist.reduce(...)
-        dist.cleanup()
+        device = distributed.init_process_group(local_rank, world_size)
+        sampler = distributed.data_sampler(dataset, distributed.get_world_size() > 1, shuffle=True)
+        ...                        # DDP(model), sampler.set_epoch(epoch), distributed.reduce(...)
+        distributed.cleanup()
 
     if __name__ == "__main__":
-        dist.launch(main_worker, args)
+        distributed.launch(main_worker, args)
 
 The same script runs unchanged as
     python train.py                                  # one process per visible GPU, else 1 on CPU
@@ -18,8 +17,9 @@ The same script runs unchanged as
     torchrun --nproc_per_node=N train.py             # one or many hosts
     srun -n N python train.py                        # SLURM
 
-Standard library and torch only. No module-level state: everything is asked of torch.distributed
-or of the environment the launcher set.
+Sections, in the order a script uses them: launching, the process group, data, collectives,
+checkpoints. Standard library and torch only. No module-level state: everything is asked of
+torch.distributed or of the environment the launcher set.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import gc
 import multiprocessing.connection
 import os
 import pickle
-import platform
 import re
 import select
 import shutil
@@ -50,58 +49,20 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
-    "launch",
-    "launch_mode",
-    "init_process_group",
-    "data_sampler",
-    "shared_memory_allreduce",
-    "reduce",
-    "all_gather",
-    "barrier",
-    "is_primary",
-    "get_rank",
-    "get_world_size",
-    "print_primary",
-    "print_ranked",
-    "cleanup",
-    "save_checkpoint",
-    "load_checkpoint",
-    "unwrap",
-    "expand_hostlist",
-    "WorkerFailed",
+    "launch", "launch_mode", "WorkerFailed",
+    "init_process_group", "get_rank", "get_world_size", "is_primary", "cleanup", "expand_hostlist",
     "DEFAULT_TIMEOUT",
+    "data_sampler",
+    "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
+    "save_checkpoint", "load_checkpoint", "unwrap",
 ]
 
 # gloo and NCCL wait 30 minutes by default before a stuck collective fails; 5 minutes is long enough
 # for a rank-0-only evaluation or save, and short enough that a hung rank does not eat the allocation.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
-# Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
-_INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-_REDUCE_OPS = ("sum", "mean", "max", "min")
-_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
 
-
-class WorkerFailed(RuntimeError):
-    """A launched process died without a Python exception (a signal, os._exit, a crash in C++)."""
-
-    def __init__(self, message: str, rank: int):
-        super().__init__(message)
-        self.rank = rank
-
-
-class _Launcher(NamedTuple):
-    mode: str  # "torchrun" (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK), "spawn", "slurm"
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-# ----------------------------------------------------------------------------------------------
-# Launch
-# ----------------------------------------------------------------------------------------------
+# ------------------------------ Launching -----------------------------------------------------
 
 
 def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
@@ -131,471 +92,133 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) ->
 
 def launch_mode() -> str:
     """How this process was started: "torchrun", "slurm", "spawn" (by launch) or "single"."""
-    env = _launcher_env()
-    return "single" if env is None else env.mode
+    return getattr(_launcher_env(), "mode", "single")
 
 
-def init_process_group(
-    local_rank: int,
-    world_size: int,
-    backend: str | None = None,
-    timeout: datetime.timedelta | float | None = None,
-) -> torch.device:
-    """Join the job's process group and return this rank's device. Safe to call twice.
+class WorkerFailed(RuntimeError):
+    """A launched process died without a Python exception (a signal, os._exit, a crash in C++)."""
 
-    nccl with ``torch.cuda.set_device`` when this rank has a GPU, else gloo. The global rank comes
-    from the launcher's environment (torchrun, SLURM, launch), else it is ``local_rank``. A world of
-    one outside any launcher creates no group: every helper here then behaves as one process.
-    ``timeout`` (a timedelta or seconds; default ``DEFAULT_TIMEOUT``) bounds every collective, so a
-    hung rank makes the others fail with a timeout error instead of waiting 30 minutes.
-    Under SLURM the rank uses SLURM_CPUS_PER_TASK threads unless OMP_NUM_THREADS is set.
-    """
-    device = _device_for(local_rank)
-    if dist.is_available() and dist.is_initialized():
-        return device
-    env = _launcher_env()
-    if env is None:
-        if world_size == 1:
-            return device
-        raise ValueError(
-            f"init_process_group: world_size={world_size} but no launcher environment was found "
-            "(RANK/WORLD_SIZE/LOCAL_RANK or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); start the "
-            "processes with distributed.launch(), torchrun or srun"
-        )
-    if world_size != env.world_size:
-        raise ValueError(
-            f"init_process_group: world_size={world_size} disagrees with the launcher's "
-            f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker"
-        )
-    if env.mode == "torchrun":
-        _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
-    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
-        torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = _as_timedelta(timeout)
-    dist.init_process_group(
-        backend,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device if backend == "nccl" else None,
-        **_rendezvous(env, timeout),
-    )
-    return device
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
 
 
-def data_sampler(
-    dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True, seed: int = 0
-) -> Sampler | None:
-    """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
-
-    Every rank draws the same permutation of the dataset for a given epoch (``seed + epoch``);
-    call ``sampler.set_epoch(epoch)`` every epoch or every epoch repeats the same order.
-
-    pad=True: torch's DistributedSampler; every rank gets ceil(N / world) samples, padded by
-    repeating the first ones, so all ranks run the same number of steps (needed for training).
-    pad=False: every sample exactly once across the ranks (ranks may differ by one sample), for
-    exact evaluation; a rank may then get no sample at all when N < world.
-    """
-    if not distributed:
-        return None
-    world, rank, size = get_world_size(), get_rank(), len(dataset)
-    if size == 0:
-        raise ValueError("data_sampler: the dataset is empty (got len(dataset)=0)")
-    if pad and size < world:
-        raise ValueError(
-            f"data_sampler: the dataset has {size} samples but the world size is {world}; with "
-            f"pad=True {world - size} rank(s) would train only on repeated samples. Use at least "
-            f"{world} samples, fewer processes, or pad=False (for evaluation)"
-        )
-    if pad:
-        return DistributedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
-    return _UnpaddedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+# Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
+_INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
 
 
-def shared_memory_allreduce(
-    model: DistributedDataParallel, timeout: datetime.timedelta | float | None = None
-) -> bool:
-    """Average DDP's gradients through shared memory when all ranks are CPU processes on this host.
-
-    Must be called on all ranks, right after ``DDP(model)``. Returns True if it registered the
-    comm hook; False when gloo's all-reduce stays (nothing changes): a world of one, a backend other
-    than gloo, GPU parameters, ranks on several hosts, not Linux on x86-64, or a /dev/shm with less
-    than twice the room needed: (world size - 1) x the largest bucket (DDP's bucket_cap_mb, 25 MB,
-    plus one parameter, or all the gradients if smaller).
-
-    The result is DDP's own mean (each rank divides by the world size, then the shares are summed):
-    bitwise what gloo gives for two ranks; for more, the sum runs in rank order, so it can differ
-    from gloo's ring order in the last bit, never between ranks.
-
-    Why: gloo sends the gradients through loopback TCP, and its wake-ups cost milliseconds when the
-    cores are busy. Here the ranks share one /dev/shm mapping: each rank sums one chunk of every
-    bucket from the shares the others wrote there, and copies the other chunks' sums back, with a
-    spin barrier between (bench.py, 2 ranks on 2 cores: 1.4x the samples/s of gloo's all-reduce).
-    A rank that dies is noticed within 0.1 s and a rank that stalls fails after ``timeout``
-    (default ``DEFAULT_TIMEOUT``), as a gloo collective would.
-    """
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"shared_memory_allreduce: expected a DistributedDataParallel model, got: "
-                        f"{type(model).__name__}; wrap it first: DDP(model)")
-    if get_world_size() == 1 or dist.get_backend() != "gloo" or model.process_group != dist.group.WORLD:
-        return False
-    local_ok = (sys.platform == "linux" and platform.machine() == "x86_64"
-                and all(p.device.type == "cpu" for p in model.parameters()))
-    grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-    # DDP closes a bucket once it reaches bucket_bytes_cap, so its last parameter may overshoot.
-    bucket_bytes = min(sum(grad_bytes), model.bucket_bytes_cap + max(grad_bytes, default=0))
-    state = _SharedGradients.attach(local_ok, bucket_bytes, _as_timedelta(timeout))
-    if state is None:
-        return False
-    model.register_comm_hook(state, _shared_memory_hook)
-    return True
+class _Launcher(NamedTuple):
+    mode: str  # "torchrun" (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK), "spawn", "slurm"
+    rank: int
+    local_rank: int
+    world_size: int
 
 
-def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
-    """A new tensor holding ``value`` all-reduced over every rank; must be called on all ranks.
-
-    op: "sum", "mean", "max" or "min". Shape and dtype are kept, except that a mean of integers or
-    booleans is float64 (an integer mean would truncate) and a sum of booleans is an int64 count.
-    The input is never modified; the result is detached; in one process it is a copy of the input.
-    """
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"reduce: unknown op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
-    tensor = torch.as_tensor(value)
-    out_dtype = _reduce_dtype(tensor.dtype, op)
-    result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
-    if get_world_size() > 1:
-        torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
-                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        wire = result.to(_wire_device(dist.get_backend(), result.device))
-        dist.all_reduce(wire, op=torch_op)
-        result = wire.to(result.device)
-    if op == "mean":
-        result = result / get_world_size()
-    return result.to(out_dtype)
+def _launcher_env() -> _Launcher | None:
+    """The launcher's view of this process, validated; None outside any launcher."""
+    env = os.environ
+    present = [v for v in _TORCHRUN_VARS if v in env]
+    if present:
+        missing = [v for v in _TORCHRUN_VARS if v not in env]
+        if missing:
+            raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
+                               f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
+        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
+        mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
+        return _validated(_Launcher(mode, rank, local, world))
+    if all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+        world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        return _validated(_Launcher("slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID"), world))
+    return None
 
 
-def all_gather(
-    value: torch.Tensor | float | int, async_op: bool = False
-) -> torch.Tensor | torch.futures.Future:
-    """Every rank's ``value`` stacked in rank order: shape (world_size, *value.shape), on every rank.
-
-    Must be called on all ranks, in the same order, with the same shape and dtype (gather unequal
-    sizes as a padded tensor plus a length). One collective, however many numbers: cheaper than
-    several reduces. async_op=True returns a ``torch.futures.Future`` of that tensor at once, and
-    the collective goes on in the background (``.wait()`` for the result); ``value`` may change
-    right after the call, as it is copied first.
-    """
-    tensor = torch.as_tensor(value).detach()
-    if get_world_size() == 1:
-        result = tensor.unsqueeze(0).clone()
-        return _done(result) if async_op else result
-    wire = tensor.to(_wire_device(dist.get_backend(), tensor.device), _wire_dtype(tensor.dtype),
-                     memory_format=torch.contiguous_format, copy=async_op)
-    parts = [torch.empty_like(wire) for _ in range(get_world_size())]
-    work = dist.all_gather(parts, wire, async_op=async_op)
-    if async_op:
-        return work.get_future().then(lambda _: torch.stack(parts).to(tensor.device, tensor.dtype))
-    return torch.stack(parts).to(tensor.device, tensor.dtype)
+def _in_slurm_step() -> bool:
+    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    return step is not None and step not in ("batch", "extern", "4294967294", "4294967292")
 
 
-def barrier() -> None:
-    """Wait until every rank gets here; must be called on all ranks. A no-op in one process."""
-    if get_world_size() > 1:
-        dist.barrier()
-
-
-def is_primary() -> bool:
-    """True on global rank 0 only (one process in the whole job, across nodes), and in one process."""
-    return get_rank() == 0
-
-
-def get_rank() -> int:
-    """This process's global rank; 0 before init_process_group or in one process."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def get_world_size() -> int:
-    """The number of processes in the job; 1 before init_process_group or in one process."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def print_primary(*args: Any, **kwargs: Any) -> None:
-    """print() on the primary rank only; the other ranks print nothing."""
-    if is_primary():
-        print(*args, **{"flush": True, **kwargs})
-
-
-def print_ranked(*args: Any, sep: str = " ") -> None:
-    """Print one line per rank, in rank order, each prefixed ``[rank k]``; must be called on all ranks.
-
-    The lines are gathered to the primary and printed there (one collective, no interleaving).
-    """
-    lines = _all_gather_text(f"[rank {get_rank()}] " + sep.join(str(a) for a in args))
-    if is_primary():
-        print("\n".join(lines), flush=True)
-
-
-def cleanup() -> None:
-    """Destroy the process group if there is one. Safe to call twice, and without a group."""
-    if dist.is_available() and dist.is_initialized():
-        # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
-        # threads free them after Python is gone and the process aborts ("terminate called without
-        # an active exception"; 4 in 10 runs here). https://github.com/pytorch/pytorch/pull/179291
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
-    """Write ``state`` to ``path`` atomically; must be called on all ranks.
-
-    The primary writes a temporary file in the same directory, flushes and fsyncs it, and renames
-    it over ``path``: a crash at any moment leaves either the previous file or the new one, never a
-    mix. Every rank then waits for the primary, so nobody reads a half-written file, and a failed
-    write raises the same OSError on every rank instead of leaving the others waiting.
-    Model weights are stored without DDP's ``module.`` / torch.compile's ``_orig_mod.`` prefixes.
-    Only what ``torch.load(weights_only=True)`` can read is accepted (tensors, numbers, strings,
-    and dicts, lists and tuples of them); anything else is a TypeError before writing.
-    """
-    state = _strip_wrapper_prefixes(state)
-    _check_weights_only(state, "state")
-    error = None
-    if is_primary():
-        try:
-            _atomic_save(state, os.fspath(path))
-        except OSError as e:
-            error = e
-    # The outcome travels as a number (the errno; 0: saved): every rank learns it in one collective.
-    errno = int(reduce(0 if error is None else error.errno or -1, "max"))
-    if errno != 0:
-        reason = error.strerror or str(error) if error is not None else os.strerror(errno)
-        raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "
-                             "untouched: check the directory exists and is writable", os.fspath(path))
-
-
-def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:
-    """The dict saved at ``path`` (on this rank's device by default), or None if there is no file.
-
-    Loads with ``weights_only=True``: a file whose pickle would construct arbitrary objects (and
-    so could run code) is refused. A corrupt or truncated file is an error naming it, never a
-    silent fresh start.
-    """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        return None
-    location = map_location if map_location is not None else _current_device()
+def _env_int(name: str) -> int:
+    value = os.environ[name]
     try:
-        state = torch.load(path, map_location=location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
-            raise _corrupt(path, e) from e
-        raise pickle.UnpicklingError(
-            f"refusing to load {path}: it holds objects other than tensors and plain containers, "
-            "and unpickling them could run code (weights_only=True). Load it with torch.load("
-            "weights_only=False) only if you trust where it came from"
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got: {value!r}") from None
+
+
+def _validated(env: _Launcher) -> _Launcher:
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
+        raise ValueError(f"inconsistent {env.mode} environment: rank={env.rank}, local_rank={env.local_rank},"
+                         f" world_size={env.world_size}; need world_size >= 1, 0 <= rank < world_size, "
+                         "local_rank >= 0")
+    return env
+
+
+def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
+    """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
+    if nprocs is None:
+        return max(gpus, 1)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch: nprocs must be an integer >= 1, got: {nprocs!r}")
+    if gpus and nprocs > gpus:
+        raise ValueError(f"launch: nprocs={nprocs} but only {gpus} GPU(s) are visible; use nprocs <= {gpus}, "
+                         "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+    return nprocs
+
+
+def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
+    """Fail before any process starts when spawn could not run ``worker`` in a fresh interpreter."""
+    try:
+        pickle.dumps((worker, args))
+    except Exception as e:
+        raise TypeError(
+            f"launch: the worker {getattr(worker, '__qualname__', worker)!r} or its arguments cannot "
+            "be pickled, and spawned processes receive them by pickling; define the worker at the "
+            "top level of a module (not a lambda or nested function) and pass picklable arguments"
         ) from e
-    except Exception as e:  # a damaged file fails anywhere in torch's readers, with any exception
-        raise _corrupt(path, e) from e
-    if not isinstance(state, dict):
-        raise RuntimeError(f"the snapshot {path} holds a {type(state).__name__}, not a dict")
-    return _strip_wrapper_prefixes(state)
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file is None:
+        if getattr(worker, "__module__", None) == "__main__":
+            raise RuntimeError("launch: the worker is defined in an interactive session or `python -c`, "
+                               "which spawned processes cannot import; define it in a .py file")
+        return
+    if not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
+        raise RuntimeError(f"launch: the main script is {main_file!r}, not a file, and every spawned process "
+                           "runs the main script again from its file; save it as a .py file and run that")
+    if main_file.endswith(".py") and not _has_main_guard(main_file):
+        raise RuntimeError(f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
+                           "process imports it again and would launch again. Put launch() under the guard")
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
+def _has_main_guard(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let spawn itself report the problem
+    tests = [ast.unparse(node.test) for node in tree.body if isinstance(node, ast.If)]
+    return any("__name__" in test and "__main__" in test for test in tests)
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM hostlist: ``"node[01-03,7],gpu-a"`` -> node01 node02 node03 node7 gpu-a."""
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
-        hosts.extend(_expand_host(item.strip()))
-    if not hosts:
-        raise ValueError(f"expand_hostlist: no host in {hostlist!r}")
-    return hosts
-
-
-# ----------------------------------------------------------------------------------------------
-# Private helpers
-# ----------------------------------------------------------------------------------------------
-
-
-class _UnpaddedSampler(DistributedSampler):
-    """DistributedSampler's permutation, but every index exactly once across the ranks.
-
-    DistributedSampler pads to ``total_size`` and checks ``num_samples``; setting both to the
-    unpadded sizes reuses its shuffling, seeding and set_epoch unchanged.
-    """
-
-    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
-        super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
-        self.total_size = len(dataset)
-        self.num_samples = len(range(rank, self.total_size, world))
-
-
-class _SharedGradients:
-    """The ranks' shared /dev/shm mapping: a flag per rank, then world x (world - 1) chunk regions.
-
-    Each call cuts the bucket into one chunk per rank; rank c owns chunk c. Region (c, p) holds
-    rank p's share of chunk c (its gradients / world), then the chunk's sum. A call: each rank
-    writes its shares of the other ranks' chunks; barrier; each owner sums its chunk and writes
-    the sum back over those shares; barrier; each rank copies the other chunks' sums into its
-    bucket. A region is only ever used by its rank p and owner c, in turn, with a barrier at each
-    hand-over (p writes | c reads, writes | p reads, then writes the next call), so one set of
-    regions serves every call and every bucket. Measured here at world 2, in separate jobs taking
-    turns: about 2% more samples/s than each rank summing every rank's whole slot, in two halves
-    used in turn (three times the memory, more of which falls out of the cache that both ranks'
-    models share; that scheme in halves gains nothing).
-
-    Flags and regions are plain stores and loads. This relies on x86-64 never reordering a store
-    with an earlier store or load, nor a load with an earlier load (a rank that sees a flag sees
-    the regions written before it), hence the x86-64 check in shared_memory_allreduce.
-    """
-
-    LINE = 64  # one cache line per flag: a rank's writes do not disturb the flags its peers spin on
-    SPIN_S, NAP_S, CHECK_S = 0.005, 0.0002, 0.1
-
-    def __init__(self, memory: torch.Tensor, region_bytes: int, peers: list, timeout: datetime.timedelta):
-        self.rank, self.world = get_rank(), get_world_size()
-        self.memory = memory  # the mapping must outlive the raw flag pointers below
-        # Each flag is read and written as a plain 8-byte load or store. A tensor op per access costs
-        # 10-40 us on a core that has just swept the gradients through memory, and the last rank to
-        # arrive at the barrier pays that on the critical path of every step.
-        self.flags = [ctypes.c_int64.from_address(memory.data_ptr() + self.LINE * (1 + rank))
-                      for rank in range(self.world)]
-        self.regions = memory[self.LINE * (1 + self.world):].view(self.world * (self.world - 1), region_bytes)
-        # A bucket fits if each of its chunks does; tensor_split's chunks differ by one element.
-        self.max_bytes = (region_bytes - 16) * self.world  # 16: the largest element size
-        self.views: dict[tuple[int, torch.dtype], tuple[list[int], list[list[Any]]]] = {}
-        self.peers, self.timeout, self.calls = peers, timeout, 0
-
-    @classmethod
-    def attach(cls, local_ok: bool, bucket_bytes: int, timeout: datetime.timedelta) -> _SharedGradients | None:
-        """Collective. Rank 0 creates the file; every rank maps it if it sees rank 0's token and
-        every peer's process (same host, same /dev/shm, same PID namespace); else None on all."""
-        world = get_world_size()
-        region_bytes = -(-(-(-bucket_bytes // world) + 16) // cls.LINE) * cls.LINE
-        size = cls.LINE * (1 + world) + world * (world - 1) * region_bytes
-        token = int.from_bytes(os.urandom(8), "little") >> 1  # a positive int64
-        created = _create_shm_file(size, token) if is_primary() and local_ok else None
-        try:
-            # Plain integers as one tensor: torch's object collectives would need numpy.
-            mine = [local_ok, os.getpid(), _process_start(os.getpid()) or -1, created is not None, token]
-            infos = all_gather(torch.tensor([int(v) for v in mine], dtype=torch.int64)).tolist()
-            _, pid0, _, created0, token = infos[0]
-            path = _shm_path(pid0, token) if created0 else None
-            peers = [(pid, start) for _, pid, start, _, _ in infos]
-            # Checked before mapping: torch.from_file(shared=True) creates a missing file, which on
-            # another host would leave a stray one in its /dev/shm.
-            ok = path is not None and all(info[0] for info in infos) and _sees(path, token, peers)
-            memory = _map_shared(path, size) if ok else None
-            if not reduce(memory is not None, "min").item():  # also: every rank has mapped it, or given up
-                return None
-            return cls(memory, region_bytes, peers, timeout)
-        finally:
-            if created:
-                os.unlink(created)  # the mappings stay; nothing is left in /dev/shm, even after a crash
-
-    def allreduce(self, grads: torch.Tensor) -> torch.futures.Future:
-        """DDP's mean of this bucket: the ranks' shares (grads / world) summed in rank order."""
-        if grads.numel() * grads.element_size() > self.max_bytes:  # not with DDP's bucketing; gloo if ever
-            dist.all_reduce(grads.div_(self.world))
-            return _done(grads)
-        self.calls += 1
-        sizes, regions = self._regions(grads.numel(), grads.dtype)
-        chunks, me = grads.split(sizes), self.rank
-        for owner, chunk in enumerate(chunks):
-            if owner != me:
-                torch.div(chunk, self.world, out=regions[owner][me])
-        self._meet(2 * self.calls - 1)
-        self._sum_chunk(chunks[me], regions[me])
-        self._meet(2 * self.calls)
-        for owner, chunk in enumerate(chunks):
-            if owner != me:
-                chunk.copy_(regions[owner][me])
-        return _done(grads)
-
-    def _sum_chunk(self, mine: torch.Tensor, shares: list[Any]) -> None:
-        """Owner's step: every rank's share of my chunk summed in rank order, into ``mine`` and
-        over the peers' shares. My own share is fused into its add as ``mine * (1 / world)``: for
-        two ranks that is bitwise gloo's result (a + b = b + a, and halving is exact unless the half
-        is subnormal), for more it may differ in the last bit, never between ranks."""
-        world, me = self.world, self.rank
-        if me == 0:  # rank 1's share + mine, which is bitwise mine + rank 1's
-            torch.add(shares[1], mine, alpha=1 / world, out=mine)
-            later = range(2, world)
-        else:  # the ranks below mine summed in rank 0's region, then + my share
-            for rank in range(1, me):
-                shares[0].add_(shares[rank])
-            torch.add(shares[0], mine, alpha=1 / world, out=mine)
-            later = range(me + 1, world)
-        for rank in later:
-            mine.add_(shares[rank])
-        for rank in range(world):
-            if rank != me:
-                shares[rank].copy_(mine)
-
-    def _regions(self, numel: int, dtype: torch.dtype) -> tuple[list[int], list[list[Any]]]:
-        """The chunk sizes (as tensor_split cuts) and region (c, p) cut to chunk c (None for p = c),
-        for a bucket of this shape. Made once per shape, as the indexing ops would cost as much as
-        the flags' (see __init__) every call."""
-        key = (numel, dtype)
-        if key not in self.views:
-            world = self.world
-            sizes = [numel // world + (c < numel % world) for c in range(world)]
-
-            def region(c: int, p: int) -> torch.Tensor | None:  # row-major, the diagonal left out
-                if p == c:
-                    return None
-                return self.regions[c * (world - 1) + p - (p > c), :sizes[c] * dtype.itemsize].view(dtype)
-            self.views[key] = (sizes, [[region(c, p) for p in range(world)] for c in range(world)])
-        return self.views[key]
-
-    def _meet(self, call: int) -> None:
-        """Barrier: publish this rank's call number, wait until every rank's flag reaches it."""
-        self.flags[self.rank].value = call
-        started, check_at = time.monotonic(), self.CHECK_S
-        while min(flag.value for flag in self.flags) < call:
-            waited = time.monotonic() - started
-            # A peer a few ms behind: spin (a sleeping rank wakes up late on busy cores). Far
-            # behind (evaluating, saving): nap, so an oversubscribed machine keeps the core busy.
-            if waited < self.SPIN_S:
-                os.sched_yield()
-            else:
-                time.sleep(self.NAP_S)
-            if waited > check_at:
-                self._check_peers(call, waited)
-                check_at = waited + self.CHECK_S
-
-    def _check_peers(self, call: int, waited: float) -> None:
-        late = [rank for rank in range(self.world) if self.flags[rank].value < call]
-        for rank in late:
-            pid, start = self.peers[rank]
-            if _process_start(pid) != start:
-                raise RuntimeError(f"shared_memory_allreduce: peer rank {rank} (pid {pid}) exited "
-                                   "before the gradient all-reduce; its own error is the cause")
-        if waited > self.timeout.total_seconds():
-            raise RuntimeError(f"shared_memory_allreduce: timed out after {self.timeout} waiting for "
-                               f"ranks {late} at the gradient all-reduce; pass a larger timeout= if a "
-                               "rank legitimately works alone that long")
+def _under_launcher(worker: Callable[..., Any], env: _Launcher) -> Callable[..., Any]:
+    """Under torchrun, torch's @record writes the error file its agent reads to name the root cause."""
+    if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+        return record(worker)
+    return worker
 
 
 class _Workers:
     """The processes of one local job started by launch(), and their supervision.
 
-    torch.multiprocessing.spawn is not used because, measured here, it leaves workers running when
-    the parent alone gets SIGINT or is SIGKILLed, and it reports whichever failure it sees first,
-    often a collateral "connection closed" rather than the rank that raised. This class keeps
-    torch's multiprocessing (a forkserver context), and adds workers that die with the launcher,
-    timestamped error files (earliest = root cause), prompt termination, and a file-based
-    rendezvous that opens no port. ``env`` adds to every worker's environment.
+    Not torch.multiprocessing.spawn: it leaves workers running when the parent alone gets SIGINT or
+    SIGKILL, and it reports whichever failure it sees first, often a collateral "connection closed".
+    Here workers die with the launcher, timestamped error files name the root cause, and a
+    file-based rendezvous opens no port. ``env`` adds to every worker's environment.
     """
 
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
@@ -657,12 +280,9 @@ class _Workers:
 
 
 def _start_context() -> Any:
-    """forkserver where it exists: measured here a 2-process job takes 2.25 s instead of 2.85 s.
-
-    The server imports torch (and this module) once and forks every worker from that clean,
-    CUDA-free state; spawn imports torch again in every worker. Plain fork is not used: the
-    launching process may already run threads (OpenMP, CUDA) that a forked child cannot use.
-    """
+    """forkserver where it exists: the server imports torch once and forks every worker from that
+    clean, CUDA-free state (spawn imports torch again in every worker). Plain fork is not used: the
+    launching process may already run threads (OpenMP, CUDA) that a forked child cannot use."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -673,12 +293,9 @@ def _start_context() -> Any:
 def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
                   env: dict[str, str], err_file: str, parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
-    # torch's objects live as long as this process: freezing them spares every full collection
-    # (cleanup()'s too: 0.15 s -> 0.02 s here) from walking them again.
-    gc.freeze()
+    gc.freeze()  # torch's objects live as long as this process: spare every full collection them
     _die_with_parent(parent_pid)
-    # The parent owns Ctrl-C: it terminates every worker, so tracebacks from N KeyboardInterrupts
-    # would only bury the report.
+    # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -690,276 +307,10 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
         raise SystemExit(1) from None
 
 
-def _under_launcher(worker: Callable[..., Any], env: _Launcher) -> Callable[..., Any]:
-    """Under torchrun, torch's @record writes the error file its agent reads to name the root cause."""
-    if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import record
-        return record(worker)
-    return worker
-
-
-def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
-    """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
-    if nprocs is None:
-        return max(gpus, 1)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch: nprocs must be an integer >= 1, got: {nprocs!r}")
-    if gpus and nprocs > gpus:
-        raise ValueError(
-            f"launch: nprocs={nprocs} but only {gpus} GPU(s) are visible; use nprocs <= {gpus}, "
-            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes"
-        )
-    return nprocs
-
-
-def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
-    """Fail before any process starts when spawn could not run ``worker`` in a fresh interpreter."""
-    try:
-        pickle.dumps((worker, args))
-    except Exception as e:
-        raise TypeError(
-            f"launch: the worker {getattr(worker, '__qualname__', worker)!r} or its arguments cannot "
-            "be pickled, and spawned processes receive them by pickling; define the worker at the "
-            "top level of a module (not a lambda or nested function) and pass picklable arguments"
-        ) from e
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)
-    if main_file is None:
-        if getattr(worker, "__module__", None) == "__main__":
-            raise RuntimeError(
-                "launch: the worker is defined in an interactive session or `python -c`, which "
-                "spawned processes cannot import; define it in a .py file"
-            )
-        return
-    if not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
-        raise RuntimeError(
-            f"launch: the main script is {main_file!r}, not a file, and every spawned process runs "
-            "the main script again from its file; save it as a .py file and run that"
-        )
-    if main_file.endswith(".py") and not _has_main_guard(main_file):
-        raise RuntimeError(
-            f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
-            "process imports it again and would launch again. Put the launch() call under the guard"
-        )
-
-
-def _has_main_guard(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return True  # cannot tell: let spawn itself report the problem
-    for node in tree.body:
-        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) \
-                and "__main__" in ast.unparse(node.test):
-            return True
-    return False
-
-
-def _launcher_env() -> _Launcher | None:
-    """The launcher's view of this process, validated; None outside any launcher."""
-    env = os.environ
-    present = [v for v in _TORCHRUN_VARS if v in env]
-    if present:
-        missing = [v for v in _TORCHRUN_VARS if v not in env]
-        if missing:
-            raise RuntimeError(
-                f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets all of "
-                f"{', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others"
-            )
-        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
-        mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
-        return _validated(_Launcher(mode, rank, local, world))
-    if all(v in env for v in _SLURM_VARS) and _in_slurm_step():
-        world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-        return _validated(_Launcher("slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID"), world))
-    return None
-
-
-def _in_slurm_step() -> bool:
-    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
-    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
-    return step is not None and step not in ("batch", "extern", "4294967294", "4294967292")
-
-
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got: {value!r}") from None
-
-
-def _validated(env: _Launcher) -> _Launcher:
-    if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
-        raise ValueError(
-            f"inconsistent {env.mode} environment: rank={env.rank}, local_rank={env.local_rank}, "
-            f"world_size={env.world_size}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0"
-        )
-    return env
-
-
-def _device_for(local_rank: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # With one GPU per task (srun --gpus-per-task) every task sees its GPU as cuda:0.
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
-def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
-    """init_process_group's init_method= or store= for this launcher."""
-    if env.mode == "spawn":
-        return {"init_method": os.environ[_INIT_METHOD_ENV]}
-    if env.mode == "slurm":
-        addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
-        port = os.environ.get("MASTER_PORT") or str(_slurm_master_port())
-        return {"init_method": f"tcp://{addr}:{port}"}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts, and env:// uses the same keys every
-        # attempt: restarted ranks can read the dead attempt's addresses and fail to connect
-        # (seen here in 1 of 2 --max-restarts runs). https://github.com/pytorch/pytorch/issues/135712
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
-    return {"init_method": "env://"}
-
-
-def _slurm_master_addr() -> str:
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-    if not nodes:
-        raise RuntimeError("SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; set MASTER_ADDR")
-    return expand_hostlist(nodes)[0]
-
-
-def _slurm_master_port() -> int:
-    """A port every task of the job derives alike from the job id (override with MASTER_PORT)."""
-    return 20000 + _env_int("SLURM_JOB_ID") % 20000
-
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-_WEIGHTS_ONLY_LEAVES = (torch.Tensor, int, float, complex, str, bytes, bool, type(None),
-                        torch.dtype, torch.device, torch.Size)
-
-
-def _strip_wrapper_prefixes(obj: Any) -> Any:
-    """A state dict whose keys *all* carry a wrapper's prefix gets them removed (recursively)."""
-    if not isinstance(obj, dict):
-        return obj
-    keys = list(obj)
-    while keys and all(isinstance(k, str) for k in keys):
-        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
-        if prefix is None:
-            break
-        obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
-        keys = list(obj)
-    return type(obj)((k, _strip_wrapper_prefixes(v)) for k, v in obj.items())
-
-
-def _check_weights_only(obj: Any, where: str) -> None:
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            _check_weights_only(value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        for i, value in enumerate(obj):
-            _check_weights_only(value, f"{where}[{i}]")
-    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
-        raise TypeError(
-            f"save_checkpoint: {where} is a {type(obj).__qualname__}, which torch.load(weights_only="
-            "True) refuses to read back; store tensors, numbers, strings, or dicts/lists of them "
-            "(e.g. vars(args) instead of an argparse.Namespace)"
-        )
-
-
-def _atomic_save(state: dict, path: str) -> None:
-    tmp = f"{path}.tmp"  # fixed name: a crashed save leaves one stray file, overwritten next time
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
-
-
-def _corrupt(path: str, error: Exception) -> RuntimeError:
-    return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
-                        f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
-
-
-def _current_device() -> torch.device:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _expand_host(item: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if match is None:
-        return [item] if item else []
-    head, tail = item[: match.start()], item[match.end():]
-    out = []
-    for part in match.group(1).split(","):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
-        for n in range(int(lo), int(hi or lo) + 1):
-            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
-    return out
-
-
-def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return datetime.timedelta(seconds=timeout)
-    raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got: {timeout!r}")
-
-
-def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
-    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        return torch.float64
-    if op == "sum" and dtype == torch.bool:
-        return torch.int64
-    return dtype
-
-
-def _wire_device(backend: str, device: torch.device) -> torch.device:
-    """Where a tensor must be for a collective: nccl moves CUDA tensors only (this rank's GPU)."""
-    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device  # "cuda": the current GPU
-
-
-def _all_gather_text(text: str) -> list[str]:
-    """Every rank's string, in rank order, on every rank; must be called on all ranks.
-
-    As tensors (lengths, then UTF-8 bytes padded to the longest): torch's object collectives
-    pickle through numpy, which torch does not install.
-    """
-    data = list(text.encode())
-    lengths = all_gather(len(data)).tolist()
-    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
-    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
-
-
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
-    return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
-
-
 def _local_rendezvous(workdir: str) -> tuple[str, Any]:
-    """How the ranks of a local job meet: (init_method, store the parent keeps alive or None).
-
-    By default a FileStore in this job's private directory: no port to race for, nothing listening
-    on the network. An explicit MASTER_PORT is respected: the parent then holds the TCPStore on it
-    for the job's lifetime and the ranks connect as clients (as under torchrun).
-    """
+    """(init_method, a store the parent keeps alive or None). A FileStore in the job's private
+    directory: no port to race for, nothing listening. An explicit MASTER_PORT is respected: the
+    parent holds the TCPStore on it and the ranks connect as clients (as under torchrun)."""
     port = os.environ.get("MASTER_PORT")
     if not port:
         return f"file://{os.path.join(workdir, 'store')}", None
@@ -1027,11 +378,8 @@ def _kill_self_when_readable(fd: int) -> None:
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """While the workers run, turn SIGTERM into KeyboardInterrupt so they are stopped first.
-
-    On the way out the signal is delivered again with the previous handler, so the launcher still
-    dies of SIGTERM (exit code 143), as whoever sent it expects.
-    """
+    """While the workers run, SIGTERM is a KeyboardInterrupt so they are stopped first; then it is
+    delivered again, so the launcher still dies of SIGTERM (exit code 143) as the sender expects."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed in the main thread
         return
@@ -1083,73 +431,6 @@ def _read_error_file(path: str) -> dict | None:
         return None
 
 
-def _shared_memory_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
-    return state.allreduce(bucket.buffer())
-
-
-def _shm_path(pid: int, token: int) -> str:
-    return f"/dev/shm/distributed-py-grads-{pid}-{token:x}"
-
-
-def _create_shm_file(size: int, token: int) -> str | None:
-    """A new /dev/shm file of ``size`` bytes starting with ``token``; its path, or None if there is
-    no room. It may take at most half of the free space: DataLoader workers pass their batches
-    through /dev/shm too, and a full one makes them fail.
-    """
-    path = _shm_path(os.getpid(), token)
-    try:
-        free = os.statvfs("/dev/shm")
-        if size > free.f_bavail * free.f_frsize // 2:
-            return None
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None
-    try:
-        os.posix_fallocate(fd, 0, size)  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS later
-        os.pwrite(fd, token.to_bytes(8, "little"), 0)
-        return path
-    except OSError:
-        os.unlink(path)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _sees(path: str, token: int, peers: list) -> bool:
-    """This rank opens rank 0's file (same /dev/shm) and sees every peer's process (same PIDs)."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(8) != token.to_bytes(8, "little"):
-                return False
-    except OSError:
-        return False
-    return all(_process_start(pid) == start for pid, start in peers)
-
-
-def _done(result: torch.Tensor) -> torch.futures.Future:
-    """A Future that already holds ``result`` (what DDP hooks and async callers wait on)."""
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(result)
-    return future
-
-
-def _map_shared(path: str, size: int) -> torch.Tensor | None:
-    try:
-        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    except (RuntimeError, OSError):  # this rank alone must not raise: the others would wait for it
-        return None
-
-
-def _process_start(pid: int) -> int | None:
-    """A live process's start time (identifies it across PID reuse); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state, *fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if state in ("Z", "X") else int(fields[18])
-
-
 def _exit_report(rank: int, exitcode: int) -> dict:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
@@ -1179,3 +460,403 @@ def _exception_from_report(rank: int, report: dict) -> BaseException:
         error.rank = rank
     error.add_note(note)
     return error
+
+
+# ------------------------------ The process group ---------------------------------------------
+
+
+def init_process_group(local_rank: int, world_size: int, backend: str | None = None,
+                       timeout: datetime.timedelta | float | None = None) -> torch.device:
+    """Join the job's process group and return this rank's device. Safe to call twice.
+
+    nccl with ``torch.cuda.set_device`` when this rank has a GPU, else gloo. The global rank comes
+    from the launcher's environment (torchrun, SLURM, launch), else it is ``local_rank``. A world of
+    one outside any launcher creates no group: every helper here then behaves as one process.
+    ``timeout`` (a timedelta or seconds; default ``DEFAULT_TIMEOUT``) bounds every collective, so a
+    hung rank makes the others fail with a timeout error instead of waiting 30 minutes.
+    Under SLURM the rank uses SLURM_CPUS_PER_TASK threads unless OMP_NUM_THREADS is set.
+    """
+    device = _device_for(local_rank)
+    if _has_group():
+        return device
+    env = _launcher_env()
+    if env is None:
+        if world_size == 1:
+            return device
+        raise ValueError(f"init_process_group: world_size={world_size} but no launcher environment was found "
+                         "(RANK/WORLD_SIZE/LOCAL_RANK or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); start the "
+                         "processes with distributed.launch(), torchrun or srun")
+    if world_size != env.world_size:
+        raise ValueError(f"init_process_group: world_size={world_size} disagrees with the launcher's "
+                         f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker")
+    if env.mode == "torchrun":
+        _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
+    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
+        torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = _as_timedelta(timeout)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
+    return device
+
+
+def get_rank() -> int:
+    """This process's global rank; 0 before init_process_group or in one process."""
+    return dist.get_rank() if _has_group() else 0
+
+
+def get_world_size() -> int:
+    """The number of processes in the job; 1 before init_process_group or in one process."""
+    return dist.get_world_size() if _has_group() else 1
+
+
+def is_primary() -> bool:
+    """True on global rank 0 only (one process in the whole job, across nodes), and in one process."""
+    return get_rank() == 0
+
+
+def cleanup() -> None:
+    """Destroy the process group if there is one. Safe to call twice, and without a group."""
+    if _has_group():
+        # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
+        # threads free them after Python is gone and the process aborts ("terminate called without
+        # an active exception"; 4 in 10 runs here). https://github.com/pytorch/pytorch/pull/179291
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a SLURM hostlist: ``"node[01-03,7],gpu-a"`` -> node01 node02 node03 node7 gpu-a."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        hosts.extend(_expand_host(item.strip()))
+    if not hosts:
+        raise ValueError(f"expand_hostlist: no host in {hostlist!r}")
+    return hosts
+
+
+def _has_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device_for(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # With one GPU per task (srun --gpus-per-task) every task sees its GPU as cuda:0.
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
+    """init_process_group's init_method= or store= for this launcher."""
+    if env.mode == "spawn":
+        return {"init_method": os.environ[_INIT_METHOD_ENV]}
+    if env.mode == "slurm":
+        addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
+        port = os.environ.get("MASTER_PORT") or str(_slurm_master_port())
+        return {"init_method": f"tcp://{addr}:{port}"}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts, and env:// uses the same keys every
+        # attempt: restarted ranks can read the dead attempt's addresses and fail to connect
+        # (seen here in 1 of 2 --max-restarts runs). https://github.com/pytorch/pytorch/issues/135712
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
+    return {"init_method": "env://"}
+
+
+def _slurm_master_addr() -> str:
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        raise RuntimeError("SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; "
+                           "set MASTER_ADDR")
+    return expand_hostlist(nodes)[0]
+
+
+def _slurm_master_port() -> int:
+    """A port every task of the job derives alike from the job id (override with MASTER_PORT)."""
+    return 20000 + _env_int("SLURM_JOB_ID") % 20000
+
+
+def _expand_host(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if match is None:
+        return [item] if item else []
+    head, tail = item[: match.start()], item[match.end():]
+    out = []
+    for part in match.group(1).split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
+        for n in range(int(lo), int(hi or lo) + 1):
+            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
+    return out
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=timeout)
+    raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got: {timeout!r}")
+
+
+# ------------------------------ Data ----------------------------------------------------------
+
+
+def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
+                 seed: int = 0) -> Sampler | None:
+    """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
+
+    Every rank draws the same permutation of the dataset for a given epoch (``seed + epoch``);
+    call ``sampler.set_epoch(epoch)`` every epoch or every epoch repeats the same order.
+
+    pad=True: torch's DistributedSampler; every rank gets ceil(N / world) samples, padded by
+    repeating the first ones, so all ranks run the same number of steps (needed for training).
+    pad=False: every sample exactly once across the ranks (ranks may differ by one sample), for
+    exact evaluation; a rank may then get no sample at all when N < world.
+    """
+    if not distributed:
+        return None
+    world, rank, size = get_world_size(), get_rank(), len(dataset)
+    if size == 0:
+        raise ValueError("data_sampler: the dataset is empty (got len(dataset)=0)")
+    if pad and size < world:
+        raise ValueError(f"data_sampler: the dataset has {size} samples but the world size is {world}; "
+                         f"with pad=True {world - size} rank(s) would train only on repeated samples. Use at "
+                         f"least {world} samples, fewer processes, or pad=False (for evaluation)")
+    if pad:
+        return DistributedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+    return _UnpaddedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+
+
+class _UnpaddedSampler(DistributedSampler):
+    """DistributedSampler's permutation, every index exactly once across the ranks: it pads to
+    ``total_size`` and checks ``num_samples``, so the unpadded sizes reuse the rest unchanged."""
+
+    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
+        super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, world))
+
+
+# ------------------------------ Collectives: each must be called on all ranks, in the same order ---
+
+
+_REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
+    """A new tensor holding ``value`` all-reduced over every rank; must be called on all ranks.
+
+    op: "sum", "mean", "max" or "min". Shape and dtype are kept, except that a mean of integers or
+    booleans is float64 (an integer mean would truncate) and a sum of booleans is an int64 count.
+    The input is never modified; the result is detached; in one process it is a copy of the input.
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce: unknown op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
+    tensor = torch.as_tensor(value)
+    out_dtype = _reduce_dtype(tensor.dtype, op)
+    result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
+    if get_world_size() > 1:
+        torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        wire = result.to(_wire_device(dist.get_backend(), result.device))
+        dist.all_reduce(wire, op=torch_op)
+        result = wire.to(result.device)
+    if op == "mean":
+        result = result / get_world_size()
+    return result.to(out_dtype)
+
+
+def all_gather(value: torch.Tensor | float | int) -> torch.Tensor:
+    """Every rank's ``value`` stacked in rank order: shape (world_size, *value.shape), on every rank.
+
+    Must be called on all ranks, with the same shape and dtype (gather unequal sizes as a padded
+    tensor plus a length). One collective, however many numbers: cheaper than several reduces.
+    """
+    tensor = torch.as_tensor(value).detach()
+    if get_world_size() == 1:
+        return tensor.unsqueeze(0).clone()
+    wire = tensor.to(_wire_device(dist.get_backend(), tensor.device), _wire_dtype(tensor.dtype),
+                     memory_format=torch.contiguous_format)
+    parts = [torch.empty_like(wire) for _ in range(get_world_size())]
+    dist.all_gather(parts, wire)
+    return torch.stack(parts).to(tensor.device, tensor.dtype)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; must be called on all ranks."""
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def print_primary(*args: Any, **kwargs: Any) -> None:
+    """print() on the primary rank only; the other ranks print nothing."""
+    if is_primary():
+        print(*args, **{"flush": True, **kwargs})
+
+
+def print_ranked(*args: Any, sep: str = " ") -> None:
+    """One line per rank, prefixed ``[rank k]``, printed in rank order by the primary (gathered
+    there: no interleaving); must be called on all ranks."""
+    lines = _all_gather_text(f"[rank {get_rank()}] " + sep.join(str(a) for a in args))
+    if is_primary():
+        print("\n".join(lines), flush=True)
+
+
+def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    if op == "sum" and dtype == torch.bool:
+        return torch.int64
+    return dtype
+
+
+def _wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective: nccl moves CUDA tensors only ("cuda": the current GPU)."""
+    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
+    return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
+
+
+def _all_gather_text(text: str) -> list[str]:
+    """Every rank's string in rank order, as tensors (lengths, then UTF-8 bytes padded to the
+    longest): torch's object collectives pickle through numpy, which torch does not install."""
+    data = list(text.encode())
+    lengths = all_gather(len(data)).tolist()
+    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
+
+
+# ------------------------------ Checkpoints ---------------------------------------------------
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """Write ``state`` to ``path`` atomically; must be called on all ranks.
+
+    The primary writes a temporary file in the same directory, flushes and fsyncs it, and renames
+    it over ``path``: a crash at any moment leaves either the previous file or the new one, never a
+    mix. Every rank then waits for the primary, so nobody reads a half-written file, and a failed
+    write raises the same OSError on every rank instead of leaving the others waiting.
+    Model weights are stored without DDP's ``module.`` / torch.compile's ``_orig_mod.`` prefixes.
+    Only what ``torch.load(weights_only=True)`` can read is accepted (tensors, numbers, strings,
+    and dicts, lists and tuples of them); anything else is a TypeError before writing.
+    """
+    state = _strip_wrapper_prefixes(state)
+    _check_weights_only(state, "state")  # fail now, not at resume time
+    error = None
+    if is_primary():
+        try:
+            _atomic_save(state, os.fspath(path))
+        except OSError as e:
+            error = e
+    # The outcome travels as a number (the errno; 0: saved): every rank learns it in one collective.
+    errno = int(reduce(0 if error is None else error.errno or -1, "max"))
+    if errno != 0:
+        reason = error.strerror or str(error) if error is not None else os.strerror(errno)
+        raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "
+                             "untouched: check the directory exists and is writable", os.fspath(path))
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:
+    """The dict saved at ``path`` (on this rank's device by default), or None if there is no file.
+
+    Loads with ``weights_only=True``: a file whose pickle would construct arbitrary objects (and
+    so could run code) is refused. A corrupt or truncated file is an error naming it, never a
+    silent fresh start.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return None
+    location = map_location if map_location is not None else _current_device()
+    try:
+        state = torch.load(path, map_location=location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise _corrupt(path, e) from e
+        raise pickle.UnpicklingError(
+            f"refusing to load {path}: it holds objects other than tensors and plain containers, "
+            "and unpickling them could run code (weights_only=True). Load it with torch.load("
+            "weights_only=False) only if you trust where it came from"
+        ) from e
+    except Exception as e:  # a damaged file fails anywhere in torch's readers, with any exception
+        raise _corrupt(path, e) from e
+    if not isinstance(state, dict):
+        raise RuntimeError(f"the snapshot {path} holds a {type(state).__name__}, not a dict")
+    return _strip_wrapper_prefixes(state)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WEIGHTS_ONLY_LEAVES = (torch.Tensor, int, float, complex, str, bytes, bool, type(None),
+                        torch.dtype, torch.device, torch.Size)
+
+
+def _strip_wrapper_prefixes(obj: Any) -> Any:
+    """A state dict whose keys *all* carry a wrapper's prefix gets them removed (recursively)."""
+    if not isinstance(obj, dict):
+        return obj
+    keys = list(obj)
+    while keys and all(isinstance(k, str) for k in keys):
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            break
+        obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
+        keys = list(obj)
+    return type(obj)((k, _strip_wrapper_prefixes(v)) for k, v in obj.items())
+
+
+def _check_weights_only(obj: Any, where: str) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_weights_only(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for i, value in enumerate(obj):
+            _check_weights_only(value, f"{where}[{i}]")
+    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
+        raise TypeError(f"save_checkpoint: {where} is a {type(obj).__qualname__}, which torch.load("
+                        "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
+                        "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
+
+
+def _atomic_save(state: dict, path: str) -> None:
+    tmp = f"{path}.tmp"  # fixed name: a crashed save leaves one stray file, overwritten next time
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def _corrupt(path: str, error: Exception) -> RuntimeError:
+    return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
+                        f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

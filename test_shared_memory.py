@@ -1,4 +1,4 @@
-"""distributed.shared_memory_allreduce: DDP's gradient mean through /dev/shm instead of gloo.
+"""shared_memory_allreduce.py: DDP's gradient mean through /dev/shm instead of gloo.
 
 min_ddp turns it on (its banner says allreduce=shared-memory), so every multi-process min_ddp run
 in this suite goes through it, and test_ddp.py's training properties draw "gloo" or
@@ -23,8 +23,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import distributed
 from conftest import HERE, build_model, examples, free_port, task_train
+from shared_memory_allreduce import shared_memory_allreduce
 
 # python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun
 # would) the worker runs here; without, launch() starts 2 processes.
@@ -33,6 +33,7 @@ JOB = textwrap.dedent('''
     sys.path.insert(0, {repo!r})
     import torch
     import distributed as dist
+    from shared_memory_allreduce import shared_memory_allreduce
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def local_grad(rank, width):
@@ -46,7 +47,7 @@ JOB = textwrap.dedent('''
         dist.init_process_group(local_rank, world_size, timeout=60)
         torch.manual_seed(0)
         model = DDP(torch.nn.Linear(width, 8))
-        hooked = dist.shared_memory_allreduce(model, timeout=1.0)
+        hooked = shared_memory_allreduce(model, timeout=1.0)
         rank = dist.get_rank()
         print(f"rank {{rank}} hooked={{hooked}}", flush=True)
         if rank == 1 and behaviour == "die":
@@ -166,7 +167,7 @@ def test_more_ranks_give_gloos_mean_to_rounding_and_bitwise_equal_replicas(pools
 
 def test_a_model_that_is_not_ddp_is_rejected_naming_its_type():
     with pytest.raises(TypeError, match=r"got: Linear.*DDP\(model\)"):
-        distributed.shared_memory_allreduce(torch.nn.Linear(2, 2))
+        shared_memory_allreduce(torch.nn.Linear(2, 2))
 
 
 def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
