@@ -454,3 +454,16 @@ def test_readme_sbatch_example_runs(slurm, tmp_path):
     assert out.returncode == 0, (out.stderr, log.read_text() if log.exists() else "")
     text = log.read_text()
     assert "mode=slurm world=2" in text and "done: world=2 epochs=2" in text, text
+
+
+def test_sbatch_wrap_without_srun_runs_min_ddp_as_one_process(slurm, tmp_path):
+    """`sbatch -n 2 --wrap "python min_ddp.py"` (no srun): the batch step is one process, not rank 0
+    of 2, so it trains alone and finishes instead of waiting for a rank 1 that never comes."""
+    log = tmp_path / "wrap.out"
+    out = subprocess.run(["sbatch", "--wait", "-n", "2", f"--chdir={HERE}", f"--output={log}",
+                          "--wrap", f"{sys.executable} min_ddp.py --epochs 1 --timeout 60"],
+                         capture_output=True, text=True, timeout=300)
+    text = log.read_text() if log.exists() else ""
+    assert out.returncode == 0, (out.stderr, text)
+    assert "mode=single world=1" in text and "done: world=1 epochs=1" in text, text
+
