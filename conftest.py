@@ -1,29 +1,26 @@
-"""The equivalence harness: a reusable pool of real gloo processes, models, data and the reference.
+"""The equivalence harness: models, data, tasks and the reference, on ddp_check's worker pools.
 
 Starting a process that imports torch costs 1-3 s here, so each world size gets one pool of real
-processes, started once through distributed._Workers (launch's own machinery) with a gloo group
-each, and reused for every example. Hypothesis generates examples here in the parent (it cannot
-shrink across processes); the workers run ``task_*`` functions on every rank and return tensors;
-the parent computes the 1-process reference and asserts. A failing or hung task gets every rank's
-error, and its pool is torn down and restarted on next use.
+processes (ddp_check.worker_pools: started once through launch's own machinery, with a gloo group
+each) shared by every test and by ddp_check itself. Hypothesis generates examples here in the
+parent (it cannot shrink across processes); the workers run ``task_*`` functions on every rank and
+return tensors; the parent computes the 1-process reference and asserts. A failing or hung task
+gets every rank's error, and its pool is torn down and restarted on next use.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
-import multiprocessing.connection
 import os
 import socket
 import subprocess
 import sys
-import time
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, settings
@@ -31,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import distributed
+from ddp_check import WorkerPools, check_equivalence, worker_pools
+from shared_memory_allreduce import shared_memory_allreduce
 
 # ---------------------------------------------------------------------------------------------
 # Hypothesis profiles: CI is derandomized (same examples every run); dev explores 5x more.
@@ -54,110 +53,16 @@ def examples(n: int) -> int:
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TASK_TIMEOUT_S = 60.0   # a task that takes longer is a hang: the pool is killed and the test fails
-WORKER_PG_TIMEOUT_S = 30.0  # a collective stuck longer than this fails inside the workers too
 
 
 # ---------------------------------------------------------------------------------------------
-# The pool
+# The pools: ddp_check's (one harness for the user-facing check and this suite)
 # ---------------------------------------------------------------------------------------------
-
-
-class PoolError(AssertionError):
-    """A task failed or hung on some rank; the message holds every rank's report."""
-
-
-class WorkerPool:
-    """``world`` real processes in one gloo group, each serving tasks over a pipe, one thread each."""
-
-    def __init__(self, world: int):
-        self.world = world
-        ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(world)]
-        self.conns = [parent for parent, _ in pipes]
-        self.workers = distributed._Workers(_serve, world, ([child for _, child in pipes],),
-                                            env={"OMP_NUM_THREADS": "1"})
-        for _, child in pipes:
-            child.close()
-
-    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float = TASK_TIMEOUT_S) -> list:
-        """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
-        for conn in self.conns:
-            conn.send((task, spec))
-        deadline = time.monotonic() + timeout
-        replies: dict[int, tuple] = {}
-        while len(replies) < self.world:
-            waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
-            ready = multiprocessing.connection.wait(list(waiting), max(deadline - time.monotonic(), 0))
-            if not ready:
-                raise PoolError(f"{task.__name__} did not finish within {timeout:.0f} s on ranks "
-                                f"{sorted(waiting.values())} (world {self.world}): a hang\n{spec}")
-            for conn in ready:
-                try:
-                    replies[waiting[conn]] = conn.recv()
-                except EOFError:
-                    code = self.workers.processes[waiting[conn]].exitcode
-                    replies[waiting[conn]] = ("error", f"worker process died (exit code {code})")
-        errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
-        if errors:
-            report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-            raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n{report}")
-        return [replies[r][1] for r in range(self.world)]
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        self.workers.stop()
-
-
-class Pools:
-    """One pool per world size, started on first use and restarted after any failure."""
-
-    def __init__(self):
-        self.pools: dict[int, WorkerPool] = {}
-
-    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float = TASK_TIMEOUT_S) -> list:
-        if world not in self.pools:
-            self.pools[world] = WorkerPool(world)
-        try:
-            return self.pools[world].run(task, spec, timeout)
-        except BaseException:
-            self.pools.pop(world).close()
-            raise
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
 
 
 @pytest.fixture(scope="session")
-def pools():
-    p = Pools()
-    yield p
-    p.close()
-
-
-def _serve(rank: int, world: int, conns: list) -> None:
-    """A pool worker's main: join the group once, then run tasks until told to stop."""
-    conn = conns[rank]
-    distributed.init_process_group(rank, world, timeout=WORKER_PG_TIMEOUT_S)
-    try:
-        while True:
-            try:
-                message = conn.recv()
-            except EOFError:
-                return
-            if message is None:
-                return
-            task, spec = message
-            try:
-                conn.send(("ok", task(spec)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        distributed.cleanup()
+def pools() -> WorkerPools:
+    return worker_pools()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +130,35 @@ def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimi
     raise ValueError(f"unknown optimizer {name!r}")
 
 
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """loss_fn in ddp_check's form: (model, batch) -> the batch's mean loss."""
+    return loss_fn(model, *batch)
+
+
+def optimizer_for(name: str, lr: float, params: Any) -> torch.optim.Optimizer:
+    """make_optimizer in ddp_check's form, once the name and lr are bound with functools.partial."""
+    return {"sgd": torch.optim.SGD, "momentum": functools.partial(torch.optim.SGD, momentum=0.9),
+            "adam": torch.optim.Adam}[name](params, lr=lr)
+
+
+def hook_shared_memory(ddp: DDP) -> None:
+    """after_ddp for ddp_check: shared_memory_allreduce, which must take over whenever world > 1."""
+    hooked = shared_memory_allreduce(ddp)
+    assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
+
+
+def check_training(spec: dict, world: int, rtol: float) -> list[dict]:
+    """ddp_check's engine on conftest's models and data: N ranks through DDP against one process on
+    the union of their batches; raises AssertionError at the first divergence. Per-rank records."""
+    return check_equivalence(
+        functools.partial(build_model, spec["kind"], spec["width"], spec["model_seed"]),
+        functools.partial(build_data, spec["kind"], spec["n"], spec["data_seed"]), batch_loss,
+        functools.partial(optimizer_for, spec["optim"], spec["lr"]), world_sizes=(world,), steps=spec["steps"],
+        batch_size=spec["batch"], seed=spec["data_seed"], accum=spec["accum"], epoch=spec["epoch"],
+        shuffle=spec["shuffle"], after_ddp=hook_shared_memory if spec["allreduce"] == "shared-memory" else None,
+        rtol=rtol)[world]
+
+
 @contextlib.contextmanager
 def one_thread():
     """The 1-process reference runs with one thread, like each pool worker: same kernels, same sums."""
@@ -281,12 +215,12 @@ def train_loader(spec: dict, batch_size: int) -> DataLoader:
 
 
 def task_train(spec: dict) -> dict:
-    """spec["allreduce"]: "gloo" (DDP's own) or "shared-memory" (distributed.shared_memory_allreduce);
+    """spec["allreduce"]: "gloo" (DDP's own) or "shared-memory" (shared_memory_allreduce.py);
     spec["bucket_cap_mb"]: DDP's bucket size (tiny: one bucket per parameter)."""
     model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]),
                 bucket_cap_mb=spec.get("bucket_cap_mb"))
     if spec.get("allreduce") == "shared-memory":
-        hooked = distributed.shared_memory_allreduce(model)
+        hooked = shared_memory_allreduce(model)
         assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
     optimizer = make_optimizer(spec["optim"], model.module, spec["lr"])
     loader = train_loader(spec, spec["batch"])
@@ -331,13 +265,13 @@ def task_identity(spec: dict) -> dict:
             "primary": distributed.is_primary(), "mode": distributed.launch_mode()}
 
 
-def task_eval(spec: dict) -> tuple[float, float]:
+def task_eval(spec: dict) -> tuple[float, float, float]:
     """min_ddp's own evaluate() on a prefix of its validation set, sharded with pad=False."""
     import min_ddp
     return evaluate_prefix(spec["n"], spec["batch"], min_ddp)
 
 
-def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float]:
+def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float, float]:
     """min_ddp.evaluate on its first n validation samples, in float64.
 
     float64 because a sample's float32 logits change in the last bits with the batch they are in
@@ -347,8 +281,8 @@ def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float]:
     model = min_ddp.make_model().double()
     inputs, labels = min_ddp.make_dataset("val")[:n]
     data = TensorDataset(inputs.double(), labels)
-    loader = min_ddp.batched_loader(data, distributed.data_sampler(data, True, False, pad=False), batch)
-    return min_ddp.evaluate(model, loader, torch.device("cpu"))
+    loader = DataLoader(data, batch_size=batch, sampler=distributed.data_sampler(data, True, False, pad=False))
+    return min_ddp.evaluate(model, loader)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,10 +319,12 @@ def leftover_processes(marker: str) -> list[int]:
     return found
 
 
-def task_min_ddp(spec: dict) -> None:
-    """min_ddp's own training loop, in a pool worker, with the given command-line flags."""
+def task_min_ddp(spec: dict) -> str:
+    """min_ddp's own training loop, in a pool worker, with the given command-line flags; what it printed."""
     import min_ddp
-    min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
+    return out.getvalue()
 
 
 def task_epoch_metrics(spec: dict) -> tuple[float, str]:
@@ -396,7 +332,7 @@ def task_epoch_metrics(spec: dict) -> tuple[float, str]:
     fixed (lr=0): (the returned global mean loss, what this rank printed)."""
     import min_ddp
     data = TensorDataset(spec["x"], spec["y"])
-    loader = min_ddp.batched_loader(data, distributed.data_sampler(data, True, False, pad=False), spec["batch"])
+    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
     torch.manual_seed(spec["seed"])
     model = nn.Linear(5, 3).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -422,9 +358,4 @@ def task_save_expecting_error(spec: dict) -> str:
 
 
 def task_all_gather(spec: dict) -> torch.Tensor:
-    value = spec["values"][distributed.get_rank()].clone()
-    if not spec.get("async_op"):
-        return distributed.all_gather(value)
-    future = distributed.all_gather(value, async_op=True)
-    value.copy_(value == 0)  # every element changes, after the call: the result must not
-    return future.wait()
+    return distributed.all_gather(spec["values"][distributed.get_rank()])

@@ -1,11 +1,13 @@
 """Proof that N-process training through distributed.py equals 1-process training.
 
 Every multi-process test runs on real gloo process groups (the session's worker pools, see
-conftest.py), through the project's own data_sampler, reduce and launch machinery.
+conftest.py), through the project's own data_sampler, reduce and launch machinery. The training
+properties run through ddp_check's engine, the check users point at their own models.
 
 Tolerances (float64 throughout the training properties):
 - between replicas: bitwise equality (they apply the same all-reduced gradient);
-- N processes vs 1 process: rtol = atol = 1e-9. All-reduce sums gradients in a different order
+- N processes vs 1 process: rtol = atol = 1e-9 (through ddp_check: atol = 1e-9 x max(1, the
+  reference tensor's largest magnitude)). All-reduce sums gradients in a different order
   than one big batch does; measured worst case here is 1.2e-10 (Adam on near-zero LM gradients,
   where normalising by sqrt(v) amplifies rounding), SGD ~1e-16. A real bug shows as >= 1e-3.
 """
@@ -21,38 +23,19 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 import distributed
 import min_ddp
-from conftest import (HERE, build_data, build_model, evaluate_prefix, examples, grad_vector, leftover_processes,
-                      loss_fn, make_optimizer, one_thread, run_script, run_steps, task_all_gather,
-                      task_epoch_metrics, task_eval, task_grads, task_identity, task_reduce, task_sampler,
-                      task_train, train_loader)
+from conftest import (HERE, build_data, build_model, check_training, evaluate_prefix, examples, grad_vector,
+                      leftover_processes, loss_fn, one_thread, run_script, task_all_gather, task_epoch_metrics,
+                      task_eval, task_grads, task_identity, task_reduce, task_sampler)
 
 RTOL = ATOL = 1e-9
 
 worlds = st.integers(1, 4)
-allreduces = st.sampled_from(["gloo", "shared-memory"])  # DDP's own, distributed.shared_memory_allreduce
+allreduces = st.sampled_from(["gloo", "shared-memory"])  # DDP's own, shared_memory_allreduce.py
 seeds = st.integers(0, 2**16)
-
-
-def reference_training(spec: dict, world: int) -> dict:
-    """One process, same initial model, global batch = the union of the ranks' batches."""
-    with one_thread():
-        model = build_model(spec["kind"], spec["width"], spec["model_seed"])
-        optimizer = make_optimizer(spec["optim"], model, spec["lr"])
-        loader = train_loader(spec, spec["batch"] * world * spec["accum"])
-        return run_steps(model, optimizer, loader, spec["steps"], accum=1)
-
-
-def assert_replicas_equal_and_match_reference(results: list[dict], ref: dict) -> None:
-    for step, expected in enumerate(ref["params"]):
-        for rank, res in enumerate(results):
-            assert torch.equal(res["params"][step], results[0]["params"][step]), \
-                f"rank {rank} diverged from rank 0 at step {step + 1}: replicas must be bitwise equal"
-        torch.testing.assert_close(results[0]["params"][step], expected, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"step {step + 1}: N-process != 1-process\n{m}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,21 +48,17 @@ def assert_replicas_equal_and_match_reference(results: list[dict], ref: dict) ->
        batch=st.integers(1, 4), steps=st.integers(1, 3), optim=st.sampled_from(["sgd", "momentum", "adam"]),
        lr=st.sampled_from([0.01, 0.1]), model_seed=seeds, data_seed=seeds, shuffle=st.booleans(),
        epoch=st.integers(0, 3), extra=st.integers(0, 5), allreduce=allreduces)
-def test_n_process_params_equal_one_process_after_every_step(pools, world, kind, width, batch, steps,
+def test_n_process_params_equal_one_process_after_every_step(world, kind, width, batch, steps,
                                                               optim, lr, model_seed, data_seed, shuffle,
                                                               epoch, extra, allreduce):
+    """Through ddp_check's engine (the harness users get): the first step's gradients, then the
+    parameters and buffers after every step, replicas bitwise equal, rank 0 within RTOL of one process."""
     spec = {"kind": kind, "width": width, "batch": batch, "steps": steps, "optim": optim, "lr": lr,
             "model_seed": model_seed, "data_seed": data_seed, "shuffle": shuffle, "epoch": epoch,
             "accum": 1, "n": steps * batch * world + extra, "allreduce": allreduce}
-    ref = reference_training(spec, world)
-    initial = param_vector_of(spec)
-    assert (ref["params"][0] - initial).abs().max() > 1e-6, "the step must change the model"
-    assert_replicas_equal_and_match_reference(pools.run(world, task_train, spec), ref)
-
-
-def param_vector_of(spec: dict) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in
-                      build_model(spec["kind"], spec["width"], spec["model_seed"]).parameters()])
+    first_step = check_training(spec, world, RTOL)[0]["states"][0]
+    initial = build_model(kind, width, model_seed).state_dict()
+    assert max((first_step[k] - v).abs().max() for k, v in initial.items()) > 1e-6, "the step must change the model"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,21 +70,21 @@ def param_vector_of(spec: dict) -> torch.Tensor:
 @given(world=st.integers(2, 4), accum=st.integers(2, 3), kind=st.sampled_from(["mlp", "lm"]),
        batch=st.integers(1, 3), steps=st.integers(1, 2), optim=st.sampled_from(["sgd", "adam"]),
        model_seed=seeds, data_seed=seeds, allreduce=allreduces)
-def test_no_sync_accumulation_equals_one_process_over_all_micro_batches(pools, world, accum, kind, batch,
+def test_no_sync_accumulation_equals_one_process_over_all_micro_batches(world, accum, kind, batch,
                                                                         steps, optim, model_seed, data_seed,
                                                                         allreduce):
     spec = {"kind": kind, "width": 4, "batch": batch, "steps": steps, "optim": optim, "lr": 0.1,
             "model_seed": model_seed, "data_seed": data_seed, "shuffle": True, "epoch": 0,
             "accum": accum, "n": steps * accum * batch * world, "allreduce": allreduce}
-    results = pools.run(world, task_train, spec)
-    assert_replicas_equal_and_match_reference(results, reference_training(spec, world))
+    results = check_training(spec, world, RTOL)
 
     # Micro-steps stay local: after the first micro-batch each rank holds its own gradient only.
     order = list(distributed.data_sampler(build_data(kind, spec["n"], data_seed), True, True, seed=data_seed))
-    for rank, res in enumerate(results):
+    first = [torch.cat([g.flatten() for g in res["first_micro_grads"].values()]) for res in results]
+    for rank, grad in enumerate(first):
         local = local_gradient(spec, order[rank::world][:batch]) / accum
-        torch.testing.assert_close(res["first_grad"], local, rtol=RTOL, atol=1e-12)
-    spread = (results[0]["first_grad"] - results[1]["first_grad"]).abs().max()
+        torch.testing.assert_close(grad, local, rtol=RTOL, atol=1e-12)
+    spread = (first[0] - first[1]).abs().max()
     assert spread > 1e-4, f"ranks' micro-step gradients should differ (local, not averaged): {spread}"
 
 
@@ -171,19 +150,6 @@ def test_padded_sampler_would_count_duplicates_in_evaluation(pools):
     exact = pools.run(3, task_sampler, {"n": 10, "shuffle": False, "pad": False, "seed": 0, "epochs": [0]})
     assert sum(len(r[0]) for r in padded) == 12
     assert sum(len(r[0]) for r in exact) == 10
-
-
-@settings(max_examples=examples(40))
-@given(n=st.integers(0, 40), batch=st.integers(1, 12), seed=seeds)
-def test_batched_loader_yields_the_batch_samplers_batches_in_order(n, batch, seed):
-    """min_ddp's index-tensor batches are BatchSampler's (drop_last=False), down to an empty shard."""
-    data = TensorDataset(torch.randn(n, 3), torch.arange(n))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    expected = list(BatchSampler(order, batch, drop_last=False))
-    got = [(x, y) for x, y in min_ddp.batched_loader(data, order, batch)]
-    assert [y.tolist() for _, y in got] == expected
-    assert all(torch.equal(x, data.tensors[0][idx]) for (x, _), idx in zip(got, expected))
-    assert len(min_ddp.batched_loader(data, order, batch)) == len(expected)
 
 
 @settings(max_examples=examples(40))
@@ -254,12 +220,11 @@ def test_reduce_is_exact_on_small_integers_and_keeps_shape_and_dtype(pools, worl
 
 
 @settings(max_examples=examples(20))
-@given(world=worlds, shape=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(DTYPES), seed=seeds,
-       async_op=st.booleans())
-def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, seed, async_op):
+@given(world=worlds, shape=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(DTYPES), seed=seeds)
+def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     values = [torch.randint(0, 2 if dtype == torch.bool else 6, shape, generator=gen).to(dtype) for _ in range(world)]
-    for result in pools.run(world, task_all_gather, {"values": values, "async_op": async_op}):
+    for result in pools.run(world, task_all_gather, {"values": values}):
         assert torch.equal(result, torch.stack(values))
 
 
@@ -303,9 +268,10 @@ def test_distributed_validation_equals_one_process_exactly(pools, world, n, batc
     """Every sample counted once: accuracy (a ratio of exact counts) is bitwise equal. The loss is
     a float64 sum of per-sample losses in another order: rtol 1e-12 (measured ~1e-16)."""
     with one_thread():
-        ref_loss, ref_acc = evaluate_prefix(n, n, min_ddp)
-    for loss, acc in pools.run(world, task_eval, {"n": n, "batch": batch}):
-        assert acc == ref_acc
+        ref_loss, ref_correct, ref_count = evaluate_prefix(n, n, min_ddp)
+    assert ref_count == n
+    for loss, correct, count in pools.run(world, task_eval, {"n": n, "batch": batch}):
+        assert (correct, count) == (ref_correct, ref_count)
         assert loss == pytest.approx(ref_loss, rel=1e-12, abs=0)
 
 

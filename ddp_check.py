@@ -1,0 +1,412 @@
+"""Check your own model: does DDP training equal 1-process training? Copy next to distributed.py.
+
+    # test_my_model.py                          (top-level callables: ranks are separate processes)
+    from ddp_check import assert_ddp_equivalent
+    from my_project import make_model, make_data, loss_fn
+
+    def test_my_model_trains_the_same_under_ddp():
+        assert_ddp_equivalent(make_model, make_data, loss_fn)
+
+For each world size W, W real gloo processes on this machine train ``steps`` steps through DDP and
+distributed.data_sampler, in float64, and one process trains on the union of their batches. The
+first step's gradients, then every parameter and buffer after every step, must match the one
+process, and the replicas must be bitwise equal to each other. A divergence is an AssertionError
+naming the world size, the step, the first diverging tensor, the errors, and the likely cause.
+
+Tolerance: rtol = 1e-7, and atol = 1e-7 x the reference tensor's largest magnitude (at least 1).
+In float64 the only honest difference is the order of the all-reduce's sums (~1e-16 relative).
+Adaptive optimizers (Adam) divide by sqrt(v) + eps, which amplifies the rounding of a near-zero
+gradient up to lr / eps times; with float64 and eps >= 1e-8 that stays below 1e-10 over a few steps
+(measured in this project's suite), so 1e-7 keeps three orders of magnitude of margin on both
+sides: every cause named below diverges by 1e-3 or more.
+
+Worker pools are started once per world size and reused by every call in this Python process
+(the first call takes a few seconds), stopped at exit; a rank that hangs fails the call after
+TIMEOUT_S seconds.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import multiprocessing.connection
+import pickle
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data.dataloader import default_collate
+
+import distributed
+
+__all__ = ["assert_ddp_equivalent", "worker_pools", "PoolError", "TIMEOUT_S"]
+
+TIMEOUT_S = 60.0            # a call that takes longer on some rank is a hang: its pool is restarted
+_GROUP_TIMEOUT_S = 30.0     # a collective stuck this long fails inside the ranks too
+_RTOL = 1e-7
+
+
+def assert_ddp_equivalent(make_model: Callable[[], nn.Module], make_data: Callable[[], Any],
+                          loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
+                          make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                          world_sizes: tuple[int, ...] = (2, 3), steps: int = 3, batch_size: int = 4,
+                          seed: int = 0) -> None:
+    """Raise AssertionError if DDP training of ``make_model()`` differs from 1-process training.
+
+    make_model(): an nn.Module, built after torch.manual_seed(seed) in the reference and every rank.
+    make_data(): a map-style Dataset whose items the default collate can batch.
+    loss_fn(model, batch): the scalar loss of a batch, as your training code computes it.
+    make_optimizer(params): an optimizer (default: SGD, lr 0.1).
+    All four must be top-level functions of an importable module (not lambdas or nested functions).
+    """
+    check_equivalence(make_model, make_data, loss_fn, make_optimizer or _sgd, world_sizes=world_sizes,
+                      steps=steps, batch_size=batch_size, seed=seed)
+
+
+def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callable, make_optimizer: Callable,
+                      *, world_sizes: tuple[int, ...], steps: int, batch_size: int, seed: int, accum: int = 1,
+                      epoch: int = 0, shuffle: bool = True, after_ddp: Callable | None = None,
+                      rtol: float = _RTOL) -> dict[int, list[dict]]:
+    """assert_ddp_equivalent's engine, with the knobs this project's own tests vary: ``accum``
+    micro-batches per step (all but the last under no_sync), the sampler's ``epoch`` and
+    ``shuffle``, ``after_ddp(ddp_model)`` run on every rank after wrapping (a comm hook), and the
+    tolerance. Returns every world size's per-rank records."""
+    spec = {"make_model": make_model, "make_data": make_data, "loss_fn": loss_fn,
+            "make_optimizer": make_optimizer, "steps": steps, "batch": batch_size, "seed": seed,
+            "accum": accum, "epoch": epoch, "shuffle": shuffle, "after_ddp": after_ddp}
+    model = _check_inputs(spec, world_sizes)
+    records = {}
+    for world in world_sizes:
+        reference = _train_reference(spec, world)
+        try:
+            records[world] = worker_pools().run(world, _train_rank, spec)
+        except PoolError as e:
+            raise AssertionError(_rank_failure(world, str(e), model)) from None
+        _compare(world, records[world], reference, model, rtol)
+    return records
+
+
+# ------------------------------ Training: the ranks and the reference ------------------------
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _train_rank(spec: dict) -> dict:
+    """On every rank: DDP over this rank's shard; the records _compare reads."""
+    model = _model(spec)
+    ddp = DDP(model)
+    if spec["after_ddp"] is not None:
+        spec["after_ddp"](ddp)
+    data = spec["make_data"]()
+    sampler = distributed.data_sampler(data, True, spec["shuffle"], seed=spec["seed"])
+    sampler.set_epoch(spec["epoch"])
+    batches = iter(DataLoader(data, batch_size=spec["batch"], sampler=sampler))
+    optimizer = spec["make_optimizer"](model.parameters())
+    record: dict[str, Any] = {"states": []}
+    for step in range(spec["steps"]):
+        for micro in range(spec["accum"]):
+            local = micro < spec["accum"] - 1  # micro-batches before the last stay local: no all-reduce
+            with ddp.no_sync() if local else contextlib.nullcontext():
+                (spec["loss_fn"](ddp, _float64(next(batches))) / spec["accum"]).backward()
+            if step == 0 and micro == 0:
+                record["first_micro_grads"] = _grads(model)
+        if step == 0:
+            record["grads"] = _grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record["states"].append(_state(model))
+    return record
+
+
+def _train_reference(spec: dict, world: int) -> dict:
+    """One process on the union of the ranks' batches: world x batch x accum samples a step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank: the same kernels
+    try:
+        model = _model(spec)
+        data = spec["make_data"]()
+        shards = [_shard(data, world, rank, spec) for rank in range(world)]
+        per_step = spec["batch"] * spec["accum"]
+        optimizer = spec["make_optimizer"](model.parameters())
+        record: dict[str, Any] = {"states": []}
+        for step in range(spec["steps"]):
+            indices = [i for shard in shards for i in shard[step * per_step:(step + 1) * per_step]]
+            spec["loss_fn"](model, _float64(default_collate([data[i] for i in indices]))).backward()
+            if step == 0:
+                record["grads"] = _grads(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            record["states"].append(_state(model))
+        return record
+    finally:
+        torch.set_num_threads(before)
+
+
+def _shard(data: Any, world: int, rank: int, spec: dict) -> list[int]:
+    """Rank ``rank``'s indices in order, as torch's DistributedSampler gives them (no group needed)."""
+    sampler = DistributedSampler(data, world, rank, shuffle=spec["shuffle"], seed=spec["seed"])
+    sampler.set_epoch(spec["epoch"])
+    return list(sampler)
+
+
+def _model(spec: dict) -> nn.Module:
+    torch.manual_seed(spec["seed"])
+    return spec["make_model"]().double()
+
+
+def _float64(batch: Any) -> Any:
+    """The batch with its floating-point tensors in float64 (tuples, lists and dicts recursively)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _float64(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_float64(v) for v in batch)
+    return batch
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: t.detach().clone() for name, t in named}
+
+
+# ------------------------------ Comparing, and naming the likely cause -----------------------
+
+
+def _compare(world: int, ranks: list[dict], reference: dict, model: nn.Module, rtol: float) -> None:
+    """The first step's gradients, then each step's parameters and buffers: replicas bitwise
+    equal to rank 0, rank 0 close to the reference. Raises at the first divergence."""
+    checks = [("the gradient of `{}`", 1, [r["grads"] for r in ranks], reference["grads"])]
+    checks += [("`{}` after the optimizer step", step + 1, [r["states"][step] for r in ranks], expected)
+               for step, expected in enumerate(reference["states"])]
+    for what, step, per_rank, expected in checks:
+        for name, got in per_rank[0].items():
+            for rank, other in enumerate(per_rank[1:], 1):
+                if not torch.equal(other[name], got):
+                    raise AssertionError(_report(world, step, what.format(name), got, other[name],
+                                                 model, f"rank {rank} differs from rank 0", replicas=True))
+            ref = expected.get(name)
+            if ref is None or not torch.allclose(got, ref, rtol=rtol, atol=rtol * max(1.0, ref.abs().max().item())):
+                raise AssertionError(_report(world, step, what.format(name), ref, got, model,
+                                             "rank 0 differs from one process", replicas=False))
+
+
+def _report(world: int, step: int, where: str, expected: torch.Tensor | None, got: torch.Tensor,
+            model: nn.Module, how: str, replicas: bool) -> str:
+    lines = [f"DDP diverges from 1-process training: world size {world}, step {step}, {where} ({how})"]
+    if expected is None:
+        lines.append("  one process has no such tensor (a gradient that only DDP computed?)")
+    else:
+        error = (got - expected).abs()
+        relative = torch.where(expected != 0, error / expected.abs(), 0.0)  # where one process has 0: none
+        lines.append(f"  largest absolute error {error.max().item():.3g}, largest relative error "
+                     f"{relative.max().item():.3g}")
+        factor = _scale(got, expected)
+        if not replicas and factor is not None and abs(factor * world - 1) < 0.05 and world > 1:
+            lines.append(_cause(f"the gradients are about 1/{world} (the world size) of one process's: DDP "
+                                "averages gradients over ranks, so the loss must be the batch mean. A summed "
+                                "loss, or a sum divided by a per-rank count, gives 1/world"))
+        if not replicas and factor is not None and abs(factor / world - 1) < 0.05 and world > 1:
+            lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP already "
+                                "averages over ranks; do not multiply the loss by the world size"))
+    lines += [_cause(c) for c in _suspects(model, replicas)]
+    if replicas:
+        lines.append(_cause("replicas that differ from each other: DDP keeps parameters equal by averaging "
+                            "gradients and broadcasts rank 0's buffers only at the start of each forward, so "
+                            "a buffer or parameter changed from a rank's own data (or rank-dependent code) "
+                            "drifts apart"))
+    return "\n".join(lines)
+
+
+def _cause(text: str) -> str:
+    return f"  likely cause: {text}"
+
+
+def _scale(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """The factor c that best fits got = c x expected (None when expected is zero)."""
+    norm = (expected * expected).sum().item()
+    return (got * expected).sum().item() / norm if norm > 0 else None
+
+
+def _suspects(model: nn.Module, replicas: bool) -> list[str]:
+    """What in the model is known to make DDP differ from one process, by qualified name and type."""
+    found = []
+    for name, module in model.named_modules():
+        kind = f"`{name or '(the model)'}` ({type(module).__name__})"
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            found.append(f"BatchNorm module {kind} normalizes each rank's batch with that rank's own "
+                         "statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), or "
+                         "GroupNorm/LayerNorm, which need no batch statistics")
+        dropout = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
+            module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0
+        if dropout > 0:
+            found.append(f"Dropout module {kind} with p={dropout}: random masks cannot match one process's; "
+                         "disable dropout for the check (p=0, or model.eval() for that module)")
+    return found
+
+
+def _rank_failure(world: int, report: str, model: nn.Module) -> str:
+    lines = [f"DDP training failed on a rank at world size {world}:"]
+    if "find_unused_parameters" in report or "did not receive grad" in report:
+        lines.append(_cause("parameters that get no gradient in some step (unused parameters): DDP waits "
+                            "for every parameter's gradient; pass DDP(..., find_unused_parameters=True) in "
+                            "your training code, or remove the unused parameters"))
+    lines += [_cause(c) for c in _suspects(model, replicas=False)]
+    return "\n".join([*lines, report])
+
+
+# ------------------------------ Bad input: before any process starts -------------------------
+
+
+def _check_inputs(spec: dict, world_sizes: tuple[int, ...]) -> nn.Module:
+    """ValueError/TypeError naming the bad value and the fix; returns the model (for diagnosis)."""
+    for arg in ("make_model", "make_data", "loss_fn", "make_optimizer", "after_ddp"):
+        _check_importable(arg, spec[arg])
+    if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
+        raise ValueError(f"world_sizes must be integers >= 1, got: {world_sizes!r}")
+    for arg in ("steps", "batch", "accum"):
+        if isinstance(spec[arg], bool) or not isinstance(spec[arg], int) or spec[arg] < 1:
+            name = {"batch": "batch_size"}.get(arg, arg)
+            raise ValueError(f"{name} must be an integer >= 1, got: {spec[arg]!r}")
+    torch.manual_seed(spec["seed"])
+    model = spec["make_model"]()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return the "
+                        "model itself (not a tuple, a state dict or a DDP wrapper built inside)")
+    needed = max(world_sizes) * spec["batch"] * spec["steps"] * spec["accum"]
+    size = len(spec["make_data"]())
+    if size < needed:
+        raise ValueError(f"make_data() returned {size} samples, fewer than max(world_sizes) x batch_size x "
+                         f"steps = {needed}: the ranks would train on padded repeats; return at least {needed} "
+                         "samples, or pass smaller world_sizes, batch_size or steps")
+    return model.double()
+
+
+def _check_importable(arg: str, fn: Any) -> None:
+    if fn is None and arg == "after_ddp":
+        return
+    qualname = getattr(fn, "__qualname__", "")
+    if not callable(fn) or "<lambda>" in qualname or "<locals>" in qualname:
+        raise ValueError(f"{arg} must be a top-level function of an importable module, got: {fn!r}; the ranks "
+                         "are separate processes that import it by name: define it with `def` at module level "
+                         "(functools.partial of such a function works too)")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"{arg} cannot be sent to the ranks (pickling failed: {e}), got: {fn!r}; define it "
+                         "with `def` at the top level of a module") from e
+
+
+# ------------------------------ Worker pools: real gloo processes, reused --------------------
+
+
+class PoolError(AssertionError):
+    """A task failed or hung on some rank; the message holds every rank's report."""
+
+
+class WorkerPool:
+    """``world`` real processes in one gloo group, each serving tasks over a pipe, one thread each.
+
+    Started through launch()'s own machinery (distributed._Workers): the workers die with this
+    process, and nothing listens on the network.
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        pipes = [mp.get_context("spawn").Pipe() for _ in range(world)]
+        self.conns = [parent for parent, _ in pipes]
+        self.workers = distributed._Workers(_serve, world, ([child for _, child in pipes],),
+                                            env={"OMP_NUM_THREADS": "1"})
+        for _, child in pipes:
+            child.close()
+
+    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float = TIMEOUT_S) -> list:
+        """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
+        for conn in self.conns:
+            conn.send((task, spec))
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple] = {}
+        while len(replies) < self.world:
+            waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
+            ready = multiprocessing.connection.wait(list(waiting), max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise PoolError(f"{task.__name__} did not finish within {timeout:.0f} s on ranks "
+                                f"{sorted(waiting.values())} (world {self.world}): a hang")
+            for conn in ready:
+                try:
+                    replies[waiting[conn]] = conn.recv()
+                except EOFError:
+                    code = self.workers.processes[waiting[conn]].exitcode
+                    replies[waiting[conn]] = ("error", f"worker process died (exit code {code})")
+        errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
+        if errors:
+            report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+            raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n{report}")
+        return [replies[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        self.workers.stop()
+
+
+class WorkerPools:
+    """One pool per world size, started on first use and restarted after any failure."""
+
+    def __init__(self):
+        self.pools: dict[int, WorkerPool] = {}
+
+    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float = TIMEOUT_S) -> list:
+        if world not in self.pools:
+            self.pools[world] = WorkerPool(world)
+        try:
+            return self.pools[world].run(task, spec, timeout)
+        except BaseException:
+            self.pools.pop(world).close()
+            raise
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+@functools.cache
+def worker_pools() -> WorkerPools:
+    """This Python process's pools (one per world size), shared by every call; stopped at exit."""
+    pools = WorkerPools()
+    atexit.register(pools.close)
+    return pools
+
+
+def _serve(rank: int, world: int, conns: list) -> None:
+    """A pool worker's main: join the group once, then run tasks until told to stop."""
+    conn = conns[rank]
+    distributed.init_process_group(rank, world, timeout=_GROUP_TIMEOUT_S)
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            task, spec = message
+            try:
+                conn.send(("ok", task(spec)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        distributed.cleanup()
