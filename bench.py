@@ -1,6 +1,6 @@
 """Benchmarks for distributed.py and min_ddp.py on this machine, side by side in one run.
 
-    python bench.py                 # the table (about 4 minutes on 2 cores)
+    python bench.py                 # the table (about 6 minutes on 2 cores)
     python bench.py --runs 5 --json # more runs; machine-readable
 
 Workload: an MLP 512 -> 1024 -> 1024 -> 10 (1.6M parameters), batch 128 per process, SGD with
@@ -49,7 +49,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import distributed as dist
 import min_ddp
-from shared_memory_allreduce import shared_memory_allreduce
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
@@ -118,12 +117,11 @@ def min_ddp_trainer(device: torch.device, steps: int, allreduce: str) -> Callabl
     allreduce: "shared-memory" (min_ddp's), "gloo" (DDP's own), or "none": a hook that skips the
     all-reduce (wrong training, but the throughput ceiling of any all-reduce)."""
     model = bench_model().to(device)
-    ddp_model = model
-    if dist.get_world_size() > 1:  # as min_ddp.train does
+    if allreduce == "shared-memory":
+        ddp_model = min_ddp.wrap(model, device, 300)[0]  # min_ddp's own: the plain model at world 1
+    else:
         ddp_model = DDP(model, gradient_as_bucket_view=True)
-        if allreduce == "shared-memory":
-            assert shared_memory_allreduce(ddp_model)
-        elif allreduce == "none":
+        if allreduce == "none":
             ddp_model.register_comm_hook(None, no_allreduce)
     optimizer = optimizer_for(model)
     world = dist.get_world_size()

@@ -117,11 +117,7 @@ def _train_rank(spec: dict) -> dict:
                 (spec["loss_fn"](ddp, _float64(next(batches))) / spec["accum"]).backward()
             if step == 0 and micro == 0:
                 record["first_micro_grads"] = _grads(model)
-        if step == 0:
-            record["grads"] = _grads(model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        record["states"].append(_state(model))
+        _step(model, optimizer, step, record)
     return record
 
 
@@ -139,14 +135,19 @@ def _train_reference(spec: dict, world: int) -> dict:
         for step in range(spec["steps"]):
             indices = [i for shard in shards for i in shard[step * per_step:(step + 1) * per_step]]
             spec["loss_fn"](model, _float64(default_collate([data[i] for i in indices]))).backward()
-            if step == 0:
-                record["grads"] = _grads(model)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            record["states"].append(_state(model))
+            _step(model, optimizer, step, record)
         return record
     finally:
         torch.set_num_threads(before)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, record: dict) -> None:
+    """After a step's backward: keep the first step's gradients, step, keep every tensor's state."""
+    if step == 0:
+        record["grads"] = _grads(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    record["states"].append(_state(model))
 
 
 def _shard(data: Any, world: int, rank: int, spec: dict) -> list[int]:
@@ -197,7 +198,7 @@ def _compare(world: int, ranks: list[dict], reference: dict, model: nn.Module, r
                     raise AssertionError(_report(world, step, what.format(name), got, other[name],
                                                  model, f"rank {rank} differs from rank 0", replicas=True))
             ref = expected.get(name)
-            if ref is None or not torch.allclose(got, ref, rtol=rtol, atol=rtol * max(1.0, ref.abs().max().item())):
+            if ref is None or not torch.allclose(got, ref, rtol=rtol, atol=rtol * max(1.0, ref.abs().max())):
                 raise AssertionError(_report(world, step, what.format(name), ref, got, model,
                                              "rank 0 differs from one process", replicas=False))
 
@@ -218,8 +219,8 @@ def _report(world: int, step: int, where: str, expected: torch.Tensor | None, go
                                 "averages gradients over ranks, so the loss must be the batch mean. A summed "
                                 "loss, or a sum divided by a per-rank count, gives 1/world"))
         if not replicas and factor is not None and abs(factor / world - 1) < 0.05 and world > 1:
-            lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP already "
-                                "averages over ranks; do not multiply the loss by the world size"))
+            lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP "
+                                "already averages over ranks; do not multiply the loss by the world size"))
     lines += [_cause(c) for c in _suspects(model, replicas)]
     if replicas:
         lines.append(_cause("replicas that differ from each other: DDP keeps parameters equal by averaging "
@@ -246,8 +247,8 @@ def _suspects(model: nn.Module, replicas: bool) -> list[str]:
         kind = f"`{name or '(the model)'}` ({type(module).__name__})"
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             found.append(f"BatchNorm module {kind} normalizes each rank's batch with that rank's own "
-                         "statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), or "
-                         "GroupNorm/LayerNorm, which need no batch statistics")
+                         "statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), "
+                         "or GroupNorm/LayerNorm, which need no batch statistics")
         dropout = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
             module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0
         if dropout > 0:
@@ -282,14 +283,14 @@ def _check_inputs(spec: dict, world_sizes: tuple[int, ...]) -> nn.Module:
     torch.manual_seed(spec["seed"])
     model = spec["make_model"]()
     if not isinstance(model, nn.Module):
-        raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return the "
-                        "model itself (not a tuple, a state dict or a DDP wrapper built inside)")
+        raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return "
+                        "the model itself (not a tuple, a state dict or a DDP wrapper built inside)")
     needed = max(world_sizes) * spec["batch"] * spec["steps"] * spec["accum"]
     size = len(spec["make_data"]())
     if size < needed:
         raise ValueError(f"make_data() returned {size} samples, fewer than max(world_sizes) x batch_size x "
-                         f"steps = {needed}: the ranks would train on padded repeats; return at least {needed} "
-                         "samples, or pass smaller world_sizes, batch_size or steps")
+                         f"steps = {needed}: the ranks would train on padded repeats; return at least "
+                         f"{needed} samples, or pass smaller world_sizes, batch_size or steps")
     return model.double()
 
 
@@ -298,9 +299,9 @@ def _check_importable(arg: str, fn: Any) -> None:
         return
     qualname = getattr(fn, "__qualname__", "")
     if not callable(fn) or "<lambda>" in qualname or "<locals>" in qualname:
-        raise ValueError(f"{arg} must be a top-level function of an importable module, got: {fn!r}; the ranks "
-                         "are separate processes that import it by name: define it with `def` at module level "
-                         "(functools.partial of such a function works too)")
+        raise ValueError(f"{arg} must be a top-level function of an importable module, got: {fn!r}; the "
+                         "ranks are separate processes that import it by name: define it with `def` at module "
+                         "level (functools.partial of such a function works too)")
     try:
         pickle.dumps(fn)
     except Exception as e:
@@ -331,8 +332,9 @@ class WorkerPool:
         for _, child in pipes:
             child.close()
 
-    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float = TIMEOUT_S) -> list:
+    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float | None = None) -> list:
         """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
+        timeout = TIMEOUT_S if timeout is None else timeout
         for conn in self.conns:
             conn.send((task, spec))
         deadline = time.monotonic() + timeout
@@ -352,7 +354,8 @@ class WorkerPool:
         errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
         if errors:
             report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-            raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n{report}")
+            raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n"
+                            f"{report}")
         return [replies[r][1] for r in range(self.world)]
 
     def close(self) -> None:
@@ -368,7 +371,7 @@ class WorkerPools:
     def __init__(self):
         self.pools: dict[int, WorkerPool] = {}
 
-    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float = TIMEOUT_S) -> list:
+    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float | None = None) -> list:
         if world not in self.pools:
             self.pools[world] = WorkerPool(world)
         try:

@@ -758,8 +758,8 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
             _atomic_save(state, os.fspath(path))
         except OSError as e:
             error = e
-    # The outcome travels as a number (the errno; 0: saved): every rank learns it in one collective.
-    errno = int(reduce(0 if error is None else error.errno or -1, "max"))
+    # The primary's outcome travels as a number (0: saved, else the errno) to every rank.
+    errno = int(all_gather(0 if error is None else error.errno or -1)[0])
     if errno != 0:
         reason = error.strerror or str(error) if error is not None else os.strerror(errno)
         raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "

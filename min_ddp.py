@@ -50,20 +50,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     model = make_model().to(device, dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     first_epoch, train_loss = resume(args, model, optimizer)
-    ddp_model, backend, allreduce = model, "none", "none"
-    if distributed.get_world_size() > 1:
-        # Gradients as views into DDP's all-reduce buckets: one copy of every gradient less per step.
-        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
-        backend = allreduce = torch.distributed.get_backend()
-        if shared_memory_allreduce(ddp_model, args.timeout):  # False where it cannot work
-            allreduce = "shared-memory"
+    ddp_model, allreduce = wrap(model, device, args.timeout)
     train_set, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # A sampler in a world of one too: then every world size reads the same global order.
     train_sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
     val_sampler = distributed.data_sampler(val_set, True, shuffle=False, pad=False)  # no duplicates
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler)
+    backend = torch.distributed.get_backend() if distributed.get_world_size() > 1 else "none"
     distributed.print_primary(f"mode={distributed.launch_mode()} world={distributed.get_world_size()} "
                               f"backend={backend} allreduce={allreduce} device={device.type} "
                               f"threads={torch.get_num_threads()}")
@@ -87,6 +81,17 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                               f"train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                               f"val_acc={correct / count:.4f} "
                               f"samples_per_s={samples / (time.perf_counter() - started):.0f}")
+
+
+def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:
+    """DDP for more than one process, and which all-reduce averages its gradients."""
+    if distributed.get_world_size() == 1:
+        return model, "none"
+    # Gradients as views into DDP's all-reduce buckets: one copy of every gradient less per step.
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if shared_memory_allreduce(ddp, timeout):  # CPU ranks on one host; elsewhere False, nothing changed
+        return ddp, "shared-memory"
+    return ddp, torch.distributed.get_backend()
 
 
 def make_model() -> nn.Module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import re
 import textwrap
+import time
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from conftest import HERE, leftover_processes, run_script
+import ddp_check
+import distributed
 from ddp_check import assert_ddp_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
@@ -115,6 +118,23 @@ def counts_its_data() -> nn.Module:
     return CountsItsData()
 
 
+class SlowOnRankOne(nn.Module):
+    """Rank 1's forward takes 30 s: a hang, for a check with a shorter timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if distributed.get_rank() == 1:
+            time.sleep(30)
+        return self.linear(x)
+
+
+def slow_on_rank_one() -> nn.Module:
+    return SlowOnRankOne()
+
+
 def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
@@ -206,6 +226,14 @@ def test_a_correct_model_with_a_bug_in_one_parameter_names_that_parameter():
     assert re.search(r"world size 3, step 1, the gradient of `0\.weight`", message), message
 
 
+def test_a_hung_rank_fails_the_call_after_the_timeout_and_the_next_call_works(monkeypatch):
+    monkeypatch.setattr(ddp_check, "TIMEOUT_S", 3.0)
+    message = failure(slow_on_rank_one, vectors, cross_entropy, world_sizes=(2,))
+    assert "world size 2" in message and "did not finish within 3 s on ranks [0, 1]" in message
+    monkeypatch.undo()
+    assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,))  # a new pool: the hung one was stopped
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input fails before any process starts
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +278,9 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, {repo!r})
     import torch, torch.nn as nn, torch.nn.functional as F
     from torch.utils.data import TensorDataset
-    from ddp_check import assert_ddp_equivalent
+    import ddp_check
+import distributed
+from ddp_check import assert_ddp_equivalent
 
     def make_model():
         return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
