@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from conftest import HERE, leftover_processes, run_script
 import ddp_check
 import distributed
+from conftest import HERE, leftover_processes, run_script
 from ddp_check import assert_ddp_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
@@ -278,9 +278,7 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, {repo!r})
     import torch, torch.nn as nn, torch.nn.functional as F
     from torch.utils.data import TensorDataset
-    import ddp_check
-import distributed
-from ddp_check import assert_ddp_equivalent
+    from ddp_check import assert_ddp_equivalent
 
     def make_model():
         return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
