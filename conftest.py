@@ -120,23 +120,13 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str =
     return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
-def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}")
-
-
 def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """loss_fn in ddp_check's form: (model, batch) -> the batch's mean loss."""
     return loss_fn(model, *batch)
 
 
 def optimizer_for(name: str, lr: float, params: Any) -> torch.optim.Optimizer:
-    """make_optimizer in ddp_check's form, once the name and lr are bound with functools.partial."""
+    """The optimizer named "sgd", "momentum" or "adam": ddp_check's make_optimizer with name and lr bound."""
     return {"sgd": torch.optim.SGD, "momentum": functools.partial(torch.optim.SGD, momentum=0.9),
             "adam": torch.optim.Adam}[name](params, lr=lr)
 
@@ -222,7 +212,7 @@ def task_train(spec: dict) -> dict:
     if spec.get("allreduce") == "shared-memory":
         hooked = shared_memory_allreduce(model)
         assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
-    optimizer = make_optimizer(spec["optim"], model.module, spec["lr"])
+    optimizer = optimizer_for(spec["optim"], spec["lr"], model.parameters())
     loader = train_loader(spec, spec["batch"])
     return run_steps(model, optimizer, loader, spec["steps"], spec["accum"])
 
