@@ -362,7 +362,7 @@ class WorkerPool:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
-        self.workers.stop()
+        self.workers.close()
 
 
 class WorkerPools:

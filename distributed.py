@@ -18,8 +18,7 @@ The same script runs unchanged as
     srun -n N python train.py                        # SLURM
 
 Sections, in the order a script uses them: launching, the process group, data, collectives,
-checkpoints. Standard library and torch only. No module-level state: everything is asked of
-torch.distributed or of the environment the launcher set.
+checkpoints. Standard library and torch only; no module-level state.
 """
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
     "launch", "launch_mode", "WorkerFailed",
-    "init_process_group", "get_rank", "get_world_size", "is_primary", "cleanup", "expand_hostlist",
-    "DEFAULT_TIMEOUT",
+    "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
+    "expand_hostlist",
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "unwrap",
@@ -68,17 +67,18 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
     """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
 
-    Inside a launcher (torchrun, srun, or a process this function spawned) nothing is spawned: the
-    worker runs once, here. Otherwise ``nprocs`` processes run on this machine (default: one per
-    visible GPU, else 1); with one process the worker runs here, in-process.
-
-    A failing rank stops the whole job at once: the other ranks are terminated and the root-cause
-    rank's exception is re-raised here with its remote traceback attached as a note (or a
-    ``WorkerFailed`` when the rank died of a signal). Ctrl-C or SIGTERM stop every worker first.
+    Under a launcher (torchrun, srun) the worker runs once, here. Otherwise ``nprocs`` processes
+    run on this machine (default: one per visible GPU, else 1; one runs in-process).
+    A failing rank stops the whole job: the others are terminated and the root cause's exception
+    is re-raised here, its remote traceback attached as a note (``WorkerFailed`` if it died of a
+    signal). Ctrl-C or SIGTERM stop every worker first.
     """
     env = _launcher_env()
     if env is not None:
-        _under_launcher(worker, env)(env.local_rank, env.world_size, *args)
+        if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import record
+            worker = record(worker)  # writes the error file torchrun's agent reads to name the root cause
+        worker(env.local_rank, env.world_size, *args)
         return
     nprocs = _resolve_nprocs(nprocs, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if nprocs == 1:
@@ -86,7 +86,7 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) ->
         return
     _check_spawnable(worker, args)
     # Exit order matters: the workers are stopped before a SIGTERM is delivered again.
-    with _sigterm_as_interrupt(), _Workers(worker, nprocs, args) as workers:
+    with _sigterm_as_interrupt(), contextlib.closing(_Workers(worker, nprocs, args)) as workers:
         workers.join()
 
 
@@ -126,13 +126,17 @@ def _launcher_env() -> _Launcher | None:
         if missing:
             raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
                                f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
-        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
         mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
-        return _validated(_Launcher(mode, rank, local, world))
-    if all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
+    elif all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+        mode, rank, local = "slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
         world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-        return _validated(_Launcher("slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID"), world))
-    return None
+    else:
+        return None
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ValueError(f"inconsistent {mode} environment: rank={rank}, local_rank={local}, world_size="
+                         f"{world}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0")
+    return _Launcher(mode, rank, local, world)
 
 
 def _in_slurm_step() -> bool:
@@ -142,19 +146,10 @@ def _in_slurm_step() -> bool:
 
 
 def _env_int(name: str) -> int:
-    value = os.environ[name]
     try:
-        return int(value)
+        return int(os.environ[name])
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got: {value!r}") from None
-
-
-def _validated(env: _Launcher) -> _Launcher:
-    if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
-        raise ValueError(f"inconsistent {env.mode} environment: rank={env.rank}, local_rank={env.local_rank},"
-                         f" world_size={env.world_size}; need world_size >= 1, 0 <= rank < world_size, "
-                         "local_rank >= 0")
-    return env
+        raise ValueError(f"environment variable {name} must be an integer, got: {os.environ[name]!r}") from None
 
 
 def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
@@ -179,17 +174,15 @@ def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
             "be pickled, and spawned processes receive them by pickling; define the worker at the "
             "top level of a module (not a lambda or nested function) and pass picklable arguments"
         ) from e
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if main_file is None:
         if getattr(worker, "__module__", None) == "__main__":
             raise RuntimeError("launch: the worker is defined in an interactive session or `python -c`, "
                                "which spawned processes cannot import; define it in a .py file")
-        return
-    if not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
+    elif not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
         raise RuntimeError(f"launch: the main script is {main_file!r}, not a file, and every spawned process "
                            "runs the main script again from its file; save it as a .py file and run that")
-    if main_file.endswith(".py") and not _has_main_guard(main_file):
+    elif main_file.endswith(".py") and not _has_main_guard(main_file):
         raise RuntimeError(f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
                            "process imports it again and would launch again. Put launch() under the guard")
 
@@ -200,35 +193,21 @@ def _has_main_guard(path: str) -> bool:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return True  # cannot tell: let spawn itself report the problem
-    tests = [ast.unparse(node.test) for node in tree.body if isinstance(node, ast.If)]
+    tests = (ast.unparse(node.test) for node in tree.body if isinstance(node, ast.If))
     return any("__name__" in test and "__main__" in test for test in tests)
 
 
-def _under_launcher(worker: Callable[..., Any], env: _Launcher) -> Callable[..., Any]:
-    """Under torchrun, torch's @record writes the error file its agent reads to name the root cause."""
-    if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import record
-        return record(worker)
-    return worker
-
-
 class _Workers:
-    """The processes of one local job started by launch(), and their supervision.
-
-    Not torch.multiprocessing.spawn: it leaves workers running when the parent alone gets SIGINT or
-    SIGKILL, and it reports whichever failure it sees first, often a collateral "connection closed".
-    Here workers die with the launcher, timestamped error files name the root cause, and a
-    file-based rendezvous opens no port. ``env`` adds to every worker's environment.
-    """
+    """The processes of one local job started by launch(). Not torch.multiprocessing.spawn, which
+    leaves workers running when the parent alone gets SIGINT or SIGKILL and reports whichever
+    failure it sees first, often a collateral "connection closed". ``env`` adds to every worker's."""
 
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
-        self.store = None
         self.processes: list[mp.Process] = []
         try:
             init_method, self.store = _local_rendezvous(self.dir)
-            threads = _threads_per_process(nprocs)
-            ctx = _start_context()
+            ctx, threads = _start_context(), _threads_per_process(nprocs)
             for rank in range(nprocs):
                 rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
                 err_file = os.path.join(self.dir, f"rank{rank}.err")
@@ -237,14 +216,8 @@ class _Workers:
                 p.start()
                 self.processes.append(p)
         except BaseException:
-            self.stop()
+            self.close()
             raise
-
-    def __enter__(self) -> _Workers:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
     def join(self) -> None:
         """Wait for every rank; on the first failure stop the rest and raise the root cause."""
@@ -258,7 +231,7 @@ class _Workers:
                     _terminate(self.processes)
                     raise self._root_cause(rank, seen_at, killed_at=time.time())
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
         _terminate(self.processes)
         self.store = None
@@ -280,9 +253,8 @@ class _Workers:
 
 
 def _start_context() -> Any:
-    """forkserver where it exists: the server imports torch once and forks every worker from that
-    clean, CUDA-free state (spawn imports torch again in every worker). Plain fork is not used: the
-    launching process may already run threads (OpenMP, CUDA) that a forked child cannot use."""
+    """forkserver: it imports torch once and forks every worker from that clean, CUDA-free state
+    (spawn imports torch in every worker; fork copies the launcher's OpenMP or CUDA threads)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -308,9 +280,8 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
 
 
 def _local_rendezvous(workdir: str) -> tuple[str, Any]:
-    """(init_method, a store the parent keeps alive or None). A FileStore in the job's private
-    directory: no port to race for, nothing listening. An explicit MASTER_PORT is respected: the
-    parent holds the TCPStore on it and the ranks connect as clients (as under torchrun)."""
+    """(init_method, a store the parent keeps alive or None): a FileStore in the job's private
+    directory, so no port to race for; with an explicit MASTER_PORT, a TCPStore held by the parent."""
     port = os.environ.get("MASTER_PORT")
     if not port:
         return f"file://{os.path.join(workdir, 'store')}", None
@@ -346,17 +317,13 @@ def _threads_per_process(nprocs: int) -> int:
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
-    """SIGKILL this process when its launcher dies, so no worker ever outlives it.
-
-    Linux's parent-death signal covers a torchrun worker (its parent is the agent). A launch()
-    worker's parent is the forkserver, which outlives the launcher while any worker holds its
-    "alive" pipe, so such a worker also watches the launcher itself through a pidfd.
-    """
+    """SIGKILL this process when its launcher dies: the parent-death signal for a torchrun worker
+    (its parent is the agent); a launch() worker's parent is the forkserver, which outlives the
+    launcher while any worker holds its "alive" pipe, so it also watches the launcher's pidfd."""
     if sys.platform != "linux":
         return
-    pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     if launcher_pid is None:
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
@@ -432,11 +399,11 @@ def _read_error_file(path: str) -> dict | None:
 
 
 def _exit_report(rank: int, exitcode: int) -> dict:
-    if exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        hint = " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)" if name == "SIGKILL" else ""
-        return {"message": f"rank {rank} was killed by signal {name}{hint}"}
-    return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
+    if exitcode >= 0:
+        return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
+    name = signal.Signals(-exitcode).name
+    hint = " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)" if name == "SIGKILL" else ""
+    return {"message": f"rank {rank} was killed by signal {name}{hint}"}
 
 
 def _looks_collateral(tb: str) -> bool:
@@ -469,12 +436,10 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
                        timeout: datetime.timedelta | float | None = None) -> torch.device:
     """Join the job's process group and return this rank's device. Safe to call twice.
 
-    nccl with ``torch.cuda.set_device`` when this rank has a GPU, else gloo. The global rank comes
-    from the launcher's environment (torchrun, SLURM, launch), else it is ``local_rank``. A world of
-    one outside any launcher creates no group: every helper here then behaves as one process.
-    ``timeout`` (a timedelta or seconds; default ``DEFAULT_TIMEOUT``) bounds every collective, so a
-    hung rank makes the others fail with a timeout error instead of waiting 30 minutes.
-    Under SLURM the rank uses SLURM_CPUS_PER_TASK threads unless OMP_NUM_THREADS is set.
+    nccl (after ``torch.cuda.set_device``) when this rank has a GPU, else gloo; the global rank comes
+    from the launcher. A world of one outside any launcher creates no group: every helper here then
+    behaves as one process. ``timeout`` (seconds or a timedelta; default ``DEFAULT_TIMEOUT``) bounds
+    every collective, so a hung rank makes the others fail instead of waiting 30 minutes.
     """
     device = _device_for(local_rank)
     if _has_group():
@@ -527,9 +492,8 @@ def cleanup() -> None:
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM hostlist: ``"node[01-03,7],gpu-a"`` -> node01 node02 node03 node7 gpu-a."""
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
-        hosts.extend(_expand_host(item.strip()))
+    items = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist)  # split at commas outside brackets
+    hosts = [host for item in items for host in _expand_host(item.strip())]
     if not hosts:
         raise ValueError(f"expand_hostlist: no host in {hostlist!r}")
     return hosts
@@ -552,32 +516,20 @@ def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
     """init_process_group's init_method= or store= for this launcher."""
     if env.mode == "spawn":
         return {"init_method": os.environ[_INIT_METHOD_ENV]}
-    if env.mode == "slurm":
-        addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
-        port = os.environ.get("MASTER_PORT") or str(_slurm_master_port())
+    if env.mode == "slurm":  # every task derives the same address and port from its job
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+        addr = os.environ.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
+        port = os.environ.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID") % 20000)
         return {"init_method": f"tcp://{addr}:{port}"}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts, and env:// uses the same keys every
-        # attempt: restarted ranks can read the dead attempt's addresses and fail to connect
-        # (seen here in 1 of 2 --max-restarts runs). https://github.com/pytorch/pytorch/issues/135712
+        # torchrun's agent keeps one store across restarts and env:// uses the same keys every
+        # attempt: restarted ranks can read the dead attempt's addresses (a prefix per attempt).
+        # https://github.com/pytorch/pytorch/issues/135712
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=False, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
     return {"init_method": "env://"}
-
-
-def _slurm_master_addr() -> str:
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-    if not nodes:
-        raise RuntimeError("SLURM: neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; "
-                           "set MASTER_ADDR")
-    return expand_hostlist(nodes)[0]
-
-
-def _slurm_master_port() -> int:
-    """A port every task of the job derives alike from the job id (override with MASTER_PORT)."""
-    return 20000 + _env_int("SLURM_JOB_ID") % 20000
 
 
 def _expand_host(item: str) -> list[str]:
@@ -612,13 +564,11 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
                  seed: int = 0) -> Sampler | None:
     """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
 
-    Every rank draws the same permutation of the dataset for a given epoch (``seed + epoch``);
-    call ``sampler.set_epoch(epoch)`` every epoch or every epoch repeats the same order.
-
-    pad=True: torch's DistributedSampler; every rank gets ceil(N / world) samples, padded by
-    repeating the first ones, so all ranks run the same number of steps (needed for training).
-    pad=False: every sample exactly once across the ranks (ranks may differ by one sample), for
-    exact evaluation; a rank may then get no sample at all when N < world.
+    Every rank draws the same permutation for an epoch (``seed + epoch``): call
+    ``sampler.set_epoch(epoch)`` every epoch, or every epoch repeats the same order.
+    pad=True (training): torch's DistributedSampler; ceil(N / world) samples per rank, padded with
+    repeats so every rank runs the same number of steps. pad=False (exact evaluation): every sample
+    exactly once across the ranks, which may differ by one sample (or get none when N < world).
     """
     if not distributed:
         return None
@@ -629,9 +579,8 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
         raise ValueError(f"data_sampler: the dataset has {size} samples but the world size is {world}; "
                          f"with pad=True {world - size} rank(s) would train only on repeated samples. Use at "
                          f"least {world} samples, fewer processes, or pad=False (for evaluation)")
-    if pad:
-        return DistributedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
-    return _UnpaddedSampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+    sampler = DistributedSampler if pad else _UnpaddedSampler
+    return sampler(dataset, world, rank, shuffle=shuffle, seed=seed)
 
 
 class _UnpaddedSampler(DistributedSampler):
@@ -647,7 +596,8 @@ class _UnpaddedSampler(DistributedSampler):
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
 
 
-_REDUCE_OPS = ("sum", "mean", "max", "min")
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
 
 
 def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
@@ -663,10 +613,8 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     out_dtype = _reduce_dtype(tensor.dtype, op)
     result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
     if get_world_size() > 1:
-        torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
-                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         wire = result.to(_wire_device(dist.get_backend(), result.device))
-        dist.all_reduce(wire, op=torch_op)
+        dist.all_reduce(wire, op=_REDUCE_OPS[op])
         result = wire.to(result.device)
     if op == "mean":
         result = result / get_world_size()
@@ -676,8 +624,8 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
 def all_gather(value: torch.Tensor | float | int) -> torch.Tensor:
     """Every rank's ``value`` stacked in rank order: shape (world_size, *value.shape), on every rank.
 
-    Must be called on all ranks, with the same shape and dtype (gather unequal sizes as a padded
-    tensor plus a length). One collective, however many numbers: cheaper than several reduces.
+    Must be called on all ranks, with the same shape and dtype (gather unequal sizes padded, plus
+    their lengths). One collective, however many numbers: cheaper than several reduces.
     """
     tensor = torch.as_tensor(value).detach()
     if get_world_size() == 1:
@@ -742,13 +690,11 @@ def _all_gather_text(text: str) -> list[str]:
 def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically; must be called on all ranks.
 
-    The primary writes a temporary file in the same directory, flushes and fsyncs it, and renames
-    it over ``path``: a crash at any moment leaves either the previous file or the new one, never a
-    mix. Every rank then waits for the primary, so nobody reads a half-written file, and a failed
-    write raises the same OSError on every rank instead of leaving the others waiting.
-    Model weights are stored without DDP's ``module.`` / torch.compile's ``_orig_mod.`` prefixes.
-    Only what ``torch.load(weights_only=True)`` can read is accepted (tensors, numbers, strings,
-    and dicts, lists and tuples of them); anything else is a TypeError before writing.
+    The primary writes a temporary file, fsyncs it and renames it over ``path``: a crash leaves the
+    previous file or the new one, never a mix. Every rank waits for the primary (nobody reads half a
+    file), and a failed write raises the same OSError on every rank. Keys lose DDP's ``module.`` and
+    torch.compile's ``_orig_mod.`` prefixes. Only what ``torch.load(weights_only=True)`` reads back
+    (tensors, numbers, strings, and containers of them) is accepted: else a TypeError before writing.
     """
     state = _strip_wrapper_prefixes(state)
     _check_weights_only(state, "state")  # fail now, not at resume time
@@ -769,16 +715,17 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:
     """The dict saved at ``path`` (on this rank's device by default), or None if there is no file.
 
-    Loads with ``weights_only=True``: a file whose pickle would construct arbitrary objects (and
-    so could run code) is refused. A corrupt or truncated file is an error naming it, never a
-    silent fresh start.
+    ``weights_only=True``: a pickle that would build arbitrary objects (and could run code) is
+    refused. A corrupt or truncated file is an error naming it, never a silent fresh start.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         return None
-    location = map_location if map_location is not None else _current_device()
+    if map_location is None:  # this rank's device, not the one the primary saved from
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        map_location = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
     try:
-        state = torch.load(path, map_location=location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
             raise _corrupt(path, e) from e
@@ -814,13 +761,9 @@ def _strip_wrapper_prefixes(obj: Any) -> Any:
     """A state dict whose keys *all* carry a wrapper's prefix gets them removed (recursively)."""
     if not isinstance(obj, dict):
         return obj
-    keys = list(obj)
-    while keys and all(isinstance(k, str) for k in keys):
-        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
-        if prefix is None:
-            break
-        obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
-        keys = list(obj)
+    for prefix in _WRAPPER_PREFIXES * 2:  # DDP(compile(model)) or compile(DDP(model))
+        if obj and all(isinstance(k, str) and k.startswith(prefix) for k in obj):
+            obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
     return type(obj)((k, _strip_wrapper_prefixes(v)) for k, v in obj.items())
 
 
@@ -855,8 +798,3 @@ def _corrupt(path: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
 
-
-def _current_device() -> torch.device:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
