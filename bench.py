@@ -420,12 +420,14 @@ def table(m: dict, runs: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=min_ddp.positive_int, default=3)
-    p.add_argument("--steps", type=min_ddp.positive_int, default=60, help="timed steps per throughput run")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per throughput run")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.runs < 1 or args.steps < 1:
+        p.error(f"--runs and --steps must be >= 1, got: --runs {args.runs} --steps {args.steps}")
     if args.job:
         dist.launch(job_worker, args.fail_file, nprocs=2)
         return

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import tempfile
 import time
@@ -34,6 +33,7 @@ from shared_memory_allreduce import shared_memory_allreduce  # optional: delete 
 FEATURES, CLASSES = 32, 10
 TRAIN_SIZE, VAL_SIZE = 16384, 4096
 DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
+POSITIVE = ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "save_every")
 
 
 def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -71,15 +71,13 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                                   f"{correct / count:.4f} ({correct:.0f}/{count:.0f}) | "
                                   f"{samples / (time.perf_counter() - started):.0f} samples/s")
         if args.snapshot and ((epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs):
-            state = snapshot(model, optimizer, epoch + 1, train_loss, args)
-            distributed.save_checkpoint(state, args.snapshot)
+            distributed.save_checkpoint(snapshot(model, optimizer, epoch + 1, train_loss, args), args.snapshot)
     if first_epoch >= args.epochs:  # the snapshot has every epoch already: report its model
         val_loss, correct, count = evaluate(model, val_loader)
     if args.save_model:
         distributed.save_checkpoint(model.state_dict(), args.save_model)
-    distributed.print_primary(f"done: world={distributed.get_world_size()} epochs={args.epochs} "
-                              f"train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
-                              f"val_acc={correct / count:.4f} "
+    distributed.print_primary(f"done: world={distributed.get_world_size()} epochs={args.epochs} train_loss="
+                              f"{train_loss:.4f} val_loss={val_loss:.4f} val_acc={correct / count:.4f} "
                               f"samples_per_s={samples / (time.perf_counter() - started):.0f}")
 
 
@@ -114,8 +112,8 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     """One pass over this rank's shard; returns the global mean training loss of the epoch."""
     model.train()
     device = next(model.parameters()).device
-    stats, samples = torch.zeros(2, dtype=torch.float64, device=device), 0  # this rank's loss sum, correct
-    epoch_stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples: all ranks
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # this rank's loss sum, correct, samples
+    epoch_stats = torch.zeros_like(stats)  # the same, summed over every rank and the whole epoch
     steps = len(loader)
     for step, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
@@ -130,21 +128,18 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
         if syncing:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        stats += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum()])
-        samples += len(y)
+        stats[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum()])
+        stats[2] += len(y)  # a Python number: no copy to the device, no wait for it
         if (step + 1) % args.log_every == 0 or step + 1 == steps:
-            where = f"epoch {epoch + 1} step {step + 1}/{steps}"
-            epoch_stats += log_metrics(torch.cat([stats, stats.new_tensor([samples])]), where)
-            stats, samples = torch.zeros_like(stats), 0
+            epoch_stats += log_metrics(stats, f"epoch {epoch + 1} step {step + 1}/{steps}")
+            stats.zero_()
     loss_sum, _, count = epoch_stats.tolist()
     return loss_sum / count
 
 
 def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
-    """Print every rank's (loss sum, correct, samples) and their global sum; returns that sum.
-
-    One all-gather feeds both kinds of line (it must be called on all ranks).
-    """
+    """Print every rank's (loss sum, correct, samples) and their global sum, from one all-gather
+    (so it must be called on all ranks); returns the global sum."""
     per_rank = distributed.all_gather(stats)
     total = per_rank.sum(0)
     if distributed.is_primary():
@@ -158,11 +153,9 @@ def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]:
-    """Global validation (mean loss, correct, samples), every sample counted exactly once.
-
-    ``model`` is the plain module, not the DDP wrapper: ranks may hold different numbers of
-    batches, and a DDP forward could start collectives that the other ranks never join.
-    """
+    """Global validation (mean loss, correct, samples), every sample counted exactly once. ``model``
+    is the plain module: ranks may run different numbers of batches, and a DDP forward could start
+    collectives that the other ranks never join."""
     model.eval()
     device = next(model.parameters()).device
     stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
@@ -170,8 +163,9 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
         x, y = x.to(device), y.to(device)
         logits = model(x)
         # Per-sample losses summed in float64: the total does not depend on how samples are batched.
-        loss_sum = F.cross_entropy(logits, y, reduction="none").double().sum()
-        stats += torch.stack([loss_sum, (logits.argmax(1) == y).sum().double(), loss_sum.new_tensor(len(y))])
+        stats[:2] += torch.stack([F.cross_entropy(logits, y, reduction="none").double().sum(),
+                                  (logits.argmax(1) == y).sum()])
+        stats[2] += len(y)
     loss_sum, correct, count = distributed.reduce(stats).tolist()  # sums and counts, never means
     return loss_sum / count, correct, count
 
@@ -181,8 +175,9 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_run: int, train_loss: float,
              args: argparse.Namespace) -> dict:
-    """The data order needs no state: the sampler derives it from the seed and the epoch."""
-    # Every rank's CPU generator state (a collective), cloned: set_rng_state on a view crashes.
+    """Everything an exact resume needs (the sampler derives the data order from the seed and the
+    epoch). Gathers every rank's CPU generator state, cloned (set_rng_state on a view crashes): call
+    it on all ranks."""
     rng = [state.clone() for state in distributed.all_gather(torch.get_rng_state())]
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epochs_run,
             "train_loss": train_loss, "rng": rng, "settings": resume_settings(args)}
@@ -198,17 +193,15 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     """Load --snapshot if it exists; return (epochs already run, their last training loss)."""
     state = distributed.load_checkpoint(args.snapshot) if args.snapshot else None
     if state is None:
-        return 0, math.nan
-    missing = {"model", "optimizer", "epochs_run", "train_loss", "rng", "settings"} - state.keys()
-    if missing:
+        return 0, float("nan")
+    if missing := {"model", "optimizer", "epochs_run", "train_loss", "rng", "settings"} - state.keys():
         raise ValueError(f"--snapshot {args.snapshot} is not a min_ddp snapshot (missing: {sorted(missing)})")
     saved, now = state["settings"], resume_settings(args)
     for key, hint in (("seed", "--seed"), ("global_batch", "--batch-size x processes x --grad-accum")):
         if saved[key] != now[key]:
             raise ValueError(f"--snapshot {args.snapshot} was written with {key}={saved[key]} (world size "
-                             f"{saved['world_size']}), this run has {key}={now[key]}: resuming would not "
-                             f"continue the same run. Keep {hint} equal to the snapshot's, or use another "
-                             "--snapshot path")
+                             f"{saved['world_size']}), this run has {key}={now[key]}: keep {hint} equal "
+                             "to the snapshot's to continue the same run, or use another --snapshot path")
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -224,51 +217,32 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 # --- Settings: argparse flags, optionally on top of a JSON file -------------------------------
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got: {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got: {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", type=positive_int, default=None,
-                   help="local processes (default: visible GPUs, else 1); ignored under torchrun, srun")
-    p.add_argument("--epochs", type=positive_int, default=5)
-    p.add_argument("--batch-size", type=positive_int, default=64, help="per process")
-    p.add_argument("--lr", type=positive_float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=positive_int, default=100, help="steps between metric lines")
-    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model and data")
-    p.add_argument("--timeout", type=positive_float, default=300.0,
-                   help="seconds a collective may wait for a stuck rank before failing")
-    p.add_argument("--save-model", default=None, metavar="PATH", help="write the final weights here")
-    p.add_argument("--snapshot", default=None, metavar="PATH",
-                   help="save training state here, and resume from it if it exists")
-    p.add_argument("--save-every", type=positive_int, default=1, help="epochs between snapshots")
-    p.add_argument("--config", default=None, metavar="FILE.json", help="settings from JSON; flags override")
-    p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
-    return p
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=int, help="local processes (default: visible GPUs, else 1)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64, help="per process")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=100, help="steps between metric lines")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model and data")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective waits for a stuck rank")
+    p.add_argument("--save-model", metavar="PATH", help="write the final weights here")
+    p.add_argument("--snapshot", metavar="PATH", help="save training state here; resume from it if it exists")
+    p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
+    p.add_argument("--config", metavar="FILE.json", help="settings from JSON; flags override")
+    p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
+    args = p.parse_args(argv)
     if args.config:
-        parser.set_defaults(**read_config(args.config, parser))
-        args = parser.parse_args(argv)  # the command line wins over the file
+        p.set_defaults(**read_config(args.config, p))
+        args = p.parse_args(argv)  # the command line wins over the file
+    for name in POSITIVE:
+        if (value := getattr(args, name)) is not None and not value > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got: {value}")
     for flag, path in (("--snapshot", args.snapshot), ("--save-model", args.save_model)):
         if path:
-            check_writable(flag, path, parser)
+            check_writable(flag, path, p)
     return args
 
 
