@@ -117,10 +117,9 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     steps = len(loader)
     for step, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
-        group_start = step - step % args.grad_accum
-        micro_batches = min(args.grad_accum, steps - group_start)
-        syncing = step + 1 == group_start + micro_batches
-        # Micro-batches before the last of a group stay local: DDP all-reduces only at the last.
+        # A group's micro-batches (the epoch's last group may be short) all-reduce only at its last.
+        micro_batches = min(args.grad_accum, steps - step // args.grad_accum * args.grad_accum)
+        syncing = (step + 1) % args.grad_accum == 0 or step + 1 == steps
         with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
             logits = model(x)
             loss = F.cross_entropy(logits, y)
@@ -175,9 +174,8 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_run: int, train_loss: float,
              args: argparse.Namespace) -> dict:
-    """Everything an exact resume needs (the sampler derives the data order from the seed and the
-    epoch). Gathers every rank's CPU generator state, cloned (set_rng_state on a view crashes): call
-    it on all ranks."""
+    """Everything an exact resume needs; the sampler derives the data order from seed and epoch. Call
+    it on all ranks: it gathers every rank's CPU generator state (cloned: set_rng_state on a view crashes)."""
     rng = [state.clone() for state in distributed.all_gather(torch.get_rng_state())]
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epochs_run,
             "train_loss": train_loss, "rng": rng, "settings": resume_settings(args)}
@@ -243,6 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, path in (("--snapshot", args.snapshot), ("--save-model", args.save_model)):
         if path:
             check_writable(flag, path, p)
+    if args.print_config:  # like --help: print, then exit
+        settings = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+        print(json.dumps(settings, indent=2))
+        p.exit()
     return args
 
 
@@ -263,7 +265,7 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
             settings = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         parser.error(f"--config {path}: {e}")
-    known = {a.dest for a in parser._actions} - {"help", "config", "print_config"}
+    known = set(vars(parser.parse_args([]))) - {"config", "print_config"}
     if not isinstance(settings, dict) or settings.keys() - known:
         parser.error(f"--config {path}: expected a JSON object with keys among {', '.join(sorted(known))}")
     # String defaults go through each flag's type, so a bad value is named as on the command line.
@@ -272,8 +274,4 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.print_config:
-        settings = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
-        print(json.dumps(settings, indent=2))
-    else:
-        distributed.launch(main_worker, args, nprocs=args.nprocs)
+    distributed.launch(main_worker, args, nprocs=args.nprocs)

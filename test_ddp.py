@@ -13,6 +13,7 @@ Tolerances (float64 throughout the training properties):
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -463,3 +464,22 @@ def test_min_ddp_config_file_and_flags_override(tmp_path):
     config.write_text('{"epoch": 3}')
     with pytest.raises(SystemExit):
         min_ddp.parse_args(["--config", str(config)])
+
+
+def test_min_ddp_print_config_writes_a_config_that_reads_back_as_the_same_settings(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp.parse_args(["--print-config", "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
+    assert exit_.value.code == 0
+    config = tmp_path / "cfg.json"
+    config.write_text(capsys.readouterr().out)
+    assert min_ddp.parse_args(["--config", str(config)]) == min_ddp.parse_args(
+        ["--config", str(config), "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
+    assert json.loads(config.read_text())["epochs"] == 3
+
+
+def test_min_ddp_checks_a_config_files_values_as_flags(tmp_path, capsys):
+    config = tmp_path / "cfg.json"
+    config.write_text('{"lr": -1}')
+    with pytest.raises(SystemExit):
+        min_ddp.parse_args(["--config", str(config)])
+    assert "--lr must be > 0, got: -1.0" in capsys.readouterr().err
