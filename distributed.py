@@ -485,7 +485,7 @@ def cleanup() -> None:
     if _has_group():
         # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
         # threads free them after Python is gone and the process aborts ("terminate called without
-        # an active exception"; 4 in 10 runs here). https://github.com/pytorch/pytorch/pull/179291
+        # an active exception"). https://github.com/pytorch/pytorch/pull/179291
         gc.collect()
         dist.destroy_process_group()
 
