@@ -596,8 +596,7 @@ class _UnpaddedSampler(DistributedSampler):
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
@@ -614,7 +613,7 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
     if get_world_size() > 1:
         wire = result.to(_wire_device(dist.get_backend(), result.device))
-        dist.all_reduce(wire, op=_REDUCE_OPS[op])
+        dist.all_reduce(wire, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
         result = wire.to(result.device)
     if op == "mean":
         result = result / get_world_size()
