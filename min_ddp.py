@@ -117,7 +117,7 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     steps = len(loader)
     for step, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
-        # A group's micro-batches (the epoch's last group may be short) all-reduce only at its last.
+        # A group of micro-batches adds up locally and all-reduces at its last (the epoch's last may be short).
         micro_batches = min(args.grad_accum, steps - step // args.grad_accum * args.grad_accum)
         syncing = (step + 1) % args.grad_accum == 0 or step + 1 == steps
         with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
