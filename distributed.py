@@ -495,7 +495,8 @@ def expand_hostlist(hostlist: str) -> list[str]:
     items = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist)  # split at commas outside brackets
     hosts = [host for item in items for host in _expand_host(item.strip())]
     if not hosts:
-        raise ValueError(f"expand_hostlist: no host in {hostlist!r}")
+        raise ValueError(f"expand_hostlist: no host in {hostlist!r}; pass a hostlist such as 'node[1-2]' "
+                         "(under SLURM without SLURM_JOB_NODELIST, set MASTER_ADDR)")
     return hosts
 
 

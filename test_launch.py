@@ -444,6 +444,18 @@ def test_sbatch_script_outside_srun_is_not_mistaken_for_a_rank(monkeypatch):
     assert distributed.launch_mode() == "slurm"
 
 
+def test_slurm_step_without_a_node_list_names_master_addr_as_the_fix(monkeypatch):
+    """srun always sets a node list; a hand-made SLURM environment may not. The error must say what to set."""
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+                       "SLURM_STEP_ID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "MASTER_ADDR", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match=r"no host in ''.*set MASTER_ADDR"):
+        distributed.init_process_group(0, 2)
+    assert not torch.distributed.is_initialized()
+
+
 def test_readme_sbatch_example_runs(slurm, tmp_path):
     readme = Path(HERE, "README.md").read_text()
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S).group(1)
