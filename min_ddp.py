@@ -12,8 +12,6 @@ Every --log-every steps each rank's loss/accuracy and the global ones (sums over
 samples, never a mean of means) are printed. Every epoch the whole validation set is evaluated
 exactly once across the ranks (pad=False), so the validation metrics equal a one-process evaluation.
 """
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json
@@ -87,9 +85,8 @@ def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Mod
         return model, "none"
     # Gradients as views into DDP's all-reduce buckets: one copy of every gradient less per step.
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    if shared_memory_allreduce(ddp, timeout):  # CPU ranks on one host; elsewhere False, nothing changed
-        return ddp, "shared-memory"
-    return ddp, torch.distributed.get_backend()
+    shared = shared_memory_allreduce(ddp, timeout)  # CPU ranks on one host; elsewhere False, nothing changed
+    return ddp, "shared-memory" if shared else torch.distributed.get_backend()
 
 
 def make_model() -> nn.Module:
@@ -170,8 +167,6 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
 
 
 # --- Snapshots: everything an exact resume needs, all loadable with weights_only=True ---------
-
-
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_run: int, train_loss: float,
              args: argparse.Namespace) -> dict:
     """Everything an exact resume needs; the sampler derives the data order from seed and epoch. Call
@@ -213,8 +208,6 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
 
 # --- Settings: argparse flags, optionally on top of a JSON file -------------------------------
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=int, help="local processes (default: visible GPUs, else 1)")
