@@ -219,8 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model and data")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective waits for a stuck rank")
-    p.add_argument("--save-model", metavar="PATH", help="write the final weights here")
-    p.add_argument("--snapshot", metavar="PATH", help="save training state here; resume from it if it exists")
+    p.add_argument("--save-model", metavar="PATH", type=writable, help="write the final weights here")
+    p.add_argument("--snapshot", metavar="PATH", type=writable, help="training state: saved here, resumed if it exists")
     p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
     p.add_argument("--config", metavar="FILE.json", help="settings from JSON; flags override")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
@@ -231,9 +231,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in POSITIVE:
         if (value := getattr(args, name)) is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got: {value}")
-    for flag, path in (("--snapshot", args.snapshot), ("--save-model", args.save_model)):
-        if path:
-            check_writable(flag, path, p)
     if args.print_config:  # like --help: print, then exit
         settings = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
         print(json.dumps(settings, indent=2))
@@ -241,14 +238,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_writable(flag: str, path: str, parser: argparse.ArgumentParser) -> None:
-    """Fail before training, not after hours of it, when the file could never be written."""
+def writable(path: str) -> str:
+    """A path whose file can be written: fail before training, not after hours of it."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         tempfile.TemporaryFile(dir=directory).close()
     except OSError as e:
-        parser.error(f"{flag} {path}: cannot write in {directory} ({e.strerror}); "
-                     "create the directory, make it writable, or choose another path")
+        raise argparse.ArgumentTypeError(f"{path}: cannot write in {directory} ({e.strerror}); "
+                                         "create the directory, make it writable, or choose another path")
+    return path
 
 
 def read_config(path: str, parser: argparse.ArgumentParser) -> dict:

@@ -483,3 +483,16 @@ def test_min_ddp_checks_a_config_files_values_as_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         min_ddp.parse_args(["--config", str(config)])
     assert "--lr must be > 0, got: -1.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["flag", "config"])
+@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
+def test_min_ddp_refuses_an_unwritable_output_path_before_training(tmp_path, capsys, flag, source):
+    path = str(tmp_path / "no" / "such" / "out.pt")
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({flag[2:].replace("-", "_"): path}))
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp.parse_args([flag, path] if source == "flag" else ["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {path}: cannot write in" in err and "create the directory" in err, err
