@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model and data")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective waits for a stuck rank")
     p.add_argument("--save-model", metavar="PATH", type=writable, help="write the final weights here")
-    p.add_argument("--snapshot", metavar="PATH", type=writable, help="training state: saved here, resumed if it exists")
+    p.add_argument("--snapshot", metavar="PATH", type=writable, help="save training state here; resume if it exists")
     p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
     p.add_argument("--config", metavar="FILE.json", help="settings from JSON; flags override")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
@@ -240,6 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def writable(path: str) -> str:
     """A path whose file can be written: fail before training, not after hours of it."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory; name a file in it: {os.path.join(path, 'run.pt')}")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         tempfile.TemporaryFile(dir=directory).close()

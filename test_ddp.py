@@ -496,3 +496,11 @@ def test_min_ddp_refuses_an_unwritable_output_path_before_training(tmp_path, cap
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert f"argument {flag}: {path}: cannot write in" in err and "create the directory" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
+def test_min_ddp_refuses_a_directory_as_an_output_file_before_training(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp.parse_args([flag, str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {tmp_path} is a directory; name a file in it" in capsys.readouterr().err
