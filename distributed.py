@@ -62,8 +62,6 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 # ------------------------------ Launching -----------------------------------------------------
-
-
 def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
     """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
 
@@ -253,8 +251,12 @@ class _Workers:
 
 
 def _start_context() -> Any:
-    """forkserver: it imports torch once and forks every worker from that clean, CUDA-free state
-    (spawn imports torch in every worker; fork copies the launcher's OpenMP or CUDA threads)."""
+    """fork, so the workers share the launcher's imported torch, while that is safe: on CPU, in a
+    launcher that is still one thread. A forked child lacks its parent's other threads, and lacking
+    OpenMP's (started by any parallel op) hangs it: https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035.
+    Else forkserver: it imports torch once and forks every worker from that clean state."""
+    if sys.platform == "linux" and len(os.listdir("/proc/self/task")) == 1 and not torch.cuda.is_available():
+        return mp.get_context("fork")
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -266,9 +268,10 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
                   env: dict[str, str], err_file: str, parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
     gc.freeze()  # torch's objects live as long as this process: spare every full collection them
-    _die_with_parent(parent_pid)
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker has the launcher's handler
+    _die_with_parent(parent_pid)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
@@ -318,7 +321,7 @@ def _threads_per_process(nprocs: int) -> int:
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
     """SIGKILL this process when its launcher dies: the parent-death signal for a torchrun worker
-    (its parent is the agent); a launch() worker's parent is the forkserver, which outlives the
+    (its parent is the agent); a launch() worker's parent may be the forkserver, which outlives the
     launcher while any worker holds its "alive" pipe, so it also watches the launcher's pidfd."""
     if sys.platform != "linux":
         return
@@ -430,8 +433,6 @@ def _exception_from_report(rank: int, report: dict) -> BaseException:
 
 
 # ------------------------------ The process group ---------------------------------------------
-
-
 def init_process_group(local_rank: int, world_size: int, backend: str | None = None,
                        timeout: datetime.timedelta | float | None = None) -> torch.device:
     """Join the job's process group and return this rank's device. Safe to call twice.
@@ -559,8 +560,6 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
 
 
 # ------------------------------ Data ----------------------------------------------------------
-
-
 def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
                  seed: int = 0) -> Sampler | None:
     """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
@@ -595,8 +594,6 @@ class _UnpaddedSampler(DistributedSampler):
 
 
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
-
-
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
@@ -685,8 +682,6 @@ def _all_gather_text(text: str) -> list[str]:
 
 
 # ------------------------------ Checkpoints ---------------------------------------------------
-
-
 def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically; must be called on all ranks.
 
@@ -797,4 +792,3 @@ def _atomic_save(state: dict, path: str) -> None:
 def _corrupt(path: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
-

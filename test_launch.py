@@ -25,9 +25,10 @@ import torch
 import distributed
 from conftest import HERE, free_port, leftover_processes, run_script
 
-# A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]
+# A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
+# writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
 JOB = textwrap.dedent('''
-    import os, signal, sys, time
+    import os, signal, sys, threading, time
     sys.path.insert(0, {repo!r})
     import torch
     import distributed as dist
@@ -36,7 +37,8 @@ JOB = textwrap.dedent('''
         dist.init_process_group(local_rank, world_size, timeout=timeout)
         dist.reduce(torch.ones(1))                      # everyone is connected
         rank = dist.get_rank()
-        open(os.path.join(ready_dir, f"ready{{rank}}"), "w").close()
+        with open(os.path.join(ready_dir, f"ready{{rank}}"), "w") as f:
+            f.write(str(os.getppid()))
         if behaviour == "raise" and rank == bad_rank:
             time.sleep(0.2)                             # the others are already waiting below
             raise ValueError(f"root cause on rank {{rank}}")
@@ -54,8 +56,14 @@ JOB = textwrap.dedent('''
     if __name__ == "__main__":
         behaviour, bad_rank, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
+        if os.environ.get("JOB_THREAD"):
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
         dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs)
 ''')
+
+# launch() forks the workers itself from a launcher that is one thread, else from its forkserver (a
+# launcher with numpy's BLAS threads, or after a parallel op): the robustness tests cover both.
+LAUNCHERS = [pytest.param({}, id="forked-by-launcher"), pytest.param({"JOB_THREAD": "1"}, id="via-forkserver")]
 
 
 class Job:
@@ -122,9 +130,10 @@ def job(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nprocs, bad_rank", [(2, 1), (4, 2), (3, 0)])
-def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
-    j = job("raise", str(bad_rank), str(nprocs))
+@pytest.mark.parametrize("nprocs, bad_rank, launcher", [(2, 1, {}), (4, 2, {}), (3, 0, {}), (2, 1, {"JOB_THREAD": "1"})],
+                         ids=["2-1", "4-2", "3-0", "2-1-via-forkserver"])
+def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank, launcher):
+    j = job("raise", str(bad_rank), str(nprocs), env=launcher)
     code, out, err = j.finish()
     assert code == 1
     lines = err.strip().splitlines()
@@ -135,8 +144,9 @@ def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
     assert j.leftovers() == []
 
 
-def test_rank_killed_by_a_signal_is_named(job):
-    j = job("sigkill", "1", "3")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_rank_killed_by_a_signal_is_named(job, launcher):
+    j = job("sigkill", "1", "3", env=launcher)
     code, out, err = j.finish()
     assert code == 1
     assert "WorkerFailed: rank 1 was killed by signal SIGKILL" in err
@@ -162,10 +172,11 @@ def test_min_ddp_rejects_a_non_positive_timeout():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("sig, expected_code", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, -signal.SIGTERM)])
-def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code):
+def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code, launcher):
     """`kill -INT <launcher pid>` / `kill -TERM`: the launcher dies of that signal (shell: 130 / 143)."""
-    j = job("wait", "0", "2")
+    j = job("wait", "0", "2", env=launcher)
     j.wait_ready(2)
     os.kill(j.proc.pid, sig)
     code, out, err = j.finish()
@@ -173,9 +184,10 @@ def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code
     assert j.leftovers() == []
 
 
-def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job, launcher):
     """Ctrl-C in a terminal signals the whole foreground group; workers leave it to the launcher."""
-    j = job("wait", "0", "2")
+    j = job("wait", "0", "2", env=launcher)
     j.wait_ready(2)
     os.killpg(j.proc.pid, signal.SIGINT)
     code, out, err = j.finish()
@@ -184,8 +196,9 @@ def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job):
     assert j.leftovers() == []
 
 
-def test_workers_die_with_a_sigkilled_launcher(job):
-    j = job("wait", "0", "3")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_workers_die_with_a_sigkilled_launcher(job, launcher):
+    j = job("wait", "0", "3", env=launcher)
     j.wait_ready(3)
     os.kill(j.proc.pid, signal.SIGKILL)
     j.finish()
@@ -201,11 +214,46 @@ def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
     assert j.leftovers() == [], "torchrun workers outlived their SIGKILLed agent"
 
 
-def test_normal_run_leaves_no_process_behind(job):
-    j = job("ok", "0", "3")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_normal_run_leaves_no_process_behind(job, launcher):
+    j = job("ok", "0", "3", env=launcher)
     code, out, err = j.finish()
     assert code == 0 and "job ok" in out, err
     assert j.leftovers(within=0) == []
+
+
+@pytest.mark.parametrize("launcher, forked_by_launcher", [({}, True), ({"JOB_THREAD": "1"}, False)],
+                         ids=["one-thread", "two-threads"])
+def test_a_single_threaded_launcher_forks_its_workers_itself_else_its_forkserver_does(job, launcher,
+                                                                                     forked_by_launcher):
+    j = job("ok", "0", "2", env=launcher)
+    code, out, err = j.finish()
+    assert code == 0, err
+    parents = {int(ready.read_text()) for ready in j.ready_dir.iterdir()}
+    assert len(parents) == 1 and (parents == {j.proc.pid}) == forked_by_launcher, (parents, j.proc.pid)
+
+
+def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_path):
+    """A worker forked from a launcher whose OpenMP threads exist would hang at its first parallel op."""
+    script = tmp_path / "openmp.py"
+    script.write_text(textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {HERE!r})
+        import torch
+        import distributed
+
+        def worker(local_rank, world_size):
+            x = torch.randn(512, 512)
+            print(f"rank {{local_rank}}: {{torch.get_num_threads()}} threads, {{float((x @ x).sum()):.0f}}", flush=True)
+
+        if __name__ == "__main__":
+            torch.randn(512, 512) @ torch.randn(512, 512)  # starts the launcher's OpenMP threads
+            distributed.launch(worker, nprocs=2)
+    '''))
+    j = job(command=[sys.executable, str(script)], env={"OMP_NUM_THREADS": "2"})
+    code, out, err = j.finish(timeout=120)
+    assert code == 0, err
+    assert sorted(re.findall(r"rank (\d): (\d) threads", out)) == [("0", "2"), ("1", "2")], (out, err)
 
 
 # ---------------------------------------------------------------------------------------------
