@@ -311,9 +311,10 @@ def fail_fast_latency() -> float:
 def run_to_exit(command: list[str]) -> tuple[float, int, str]:
     """(seconds until the command's own process exits, its exit code, its output).
 
-    launch()'s forkserver keeps the output pipe open ~0.5 s after the launcher exits, while its
-    interpreter tears torch down. That is not the command's time, but it is read to the end before
-    returning, so that the teardown does not slow down the next measurement.
+    Where launch() uses its forkserver (a launcher with threads), the forkserver keeps the output pipe
+    open ~0.5 s after the launcher exits, while its interpreter tears torch down. That is not the
+    command's time, but the output is read to the end before returning, so that the teardown does not
+    slow down the next measurement.
     """
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
