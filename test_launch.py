@@ -130,7 +130,8 @@ def job(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nprocs, bad_rank, launcher", [(2, 1, {}), (4, 2, {}), (3, 0, {}), (2, 1, {"JOB_THREAD": "1"})],
+@pytest.mark.parametrize("nprocs, bad_rank, launcher",
+                         [(2, 1, {}), (4, 2, {}), (3, 0, {}), (2, 1, {"JOB_THREAD": "1"})],
                          ids=["2-1", "4-2", "3-0", "2-1-via-forkserver"])
 def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank, launcher):
     j = job("raise", str(bad_rank), str(nprocs), env=launcher)
