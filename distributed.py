@@ -442,7 +442,7 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     behaves as one process. ``timeout`` (seconds or a timedelta; default ``DEFAULT_TIMEOUT``) bounds
     every collective, so a hung rank makes the others fail instead of waiting 30 minutes.
     """
-    device = _device_for(local_rank)
+    device, timeout = _device_for(local_rank), _as_timedelta(timeout)  # bad input fails in every world
     if _has_group():
         return device
     env = _launcher_env()
@@ -460,7 +460,6 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
         torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = _as_timedelta(timeout)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
     return device
@@ -552,11 +551,10 @@ def _expand_host(item: str) -> list[str]:
 def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
     if timeout is None:
         return DEFAULT_TIMEOUT
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return datetime.timedelta(seconds=timeout)
-    raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got: {timeout!r}")
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+        raise ValueError(f"timeout must be a positive, finite number of seconds or timedelta, got: {timeout!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 # ------------------------------ Data ----------------------------------------------------------

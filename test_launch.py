@@ -7,6 +7,7 @@ the tests allow generous deadlines so that a wrong behaviour (a hang, an orphan)
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -367,6 +368,13 @@ def test_script_read_from_stdin_is_rejected_before_spawning(tmp_path):
     out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "the main script is '<stdin>', not a file" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "60", datetime.timedelta(0),
+                                 datetime.timedelta(seconds=-5)])
+def test_a_timeout_that_is_not_a_positive_duration_is_refused_in_every_world(bad):
+    with pytest.raises(ValueError, match=re.escape(f"got: {bad!r}")):
+        distributed.init_process_group(0, 1, timeout=bad)  # one process, no group: checked all the same
 
 
 @pytest.mark.parametrize("nprocs, gpus, ok", [(None, 0, 1), (None, 4, 4), (2, 4, 2), (3, 0, 3), (5, 4, None)])
