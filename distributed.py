@@ -251,10 +251,11 @@ class _Workers:
 
 
 def _start_context() -> Any:
-    """fork, so the workers share the launcher's imported torch, while that is safe: on CPU, in a
-    launcher that is still one thread. A forked child lacks its parent's other threads, and lacking
-    OpenMP's (started by any parallel op) hangs it: https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035.
-    Else forkserver: it imports torch once and forks every worker from that clean state."""
+    """fork while that is safe, so the workers share the launcher's imported torch: on CPU, from a
+    launcher that is still one thread. A forked child has none of its parent's other threads, and
+    without the OpenMP threads a parallel op started, its own first parallel op hangs
+    (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035). Else forkserver: it imports torch once and
+    forks every worker from that clean state."""
     if sys.platform == "linux" and len(os.listdir("/proc/self/task")) == 1 and not torch.cuda.is_available():
         return mp.get_context("fork")
     if "forkserver" not in mp.get_all_start_methods():
