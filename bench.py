@@ -13,8 +13,8 @@ compares numbers measured in this same run (a throughput ratio: the median of it
    tutorial's style (mp.spawn, DistributedSampler, per-sample DataLoader, default threads) at
    world size 2. min_ddp's epochs and the plain loop's take turns in one job (rank 0 runs the
    plain loop while the other rank sleeps in a barrier): this VM switches between a fast and a
-   slow phase for seconds at a time, so separate jobs differ by up to 15%. Also, as separate
-   jobs: the plain loop reading the data in storage order (gathers nothing); min_ddp's DDP at
+   slow phase for seconds or many minutes at a time, so separate jobs differ by up to 15%. Also,
+   as separate jobs: the plain loop reading the data in storage order (gathers nothing); min_ddp's DDP at
    world 2 with gloo's all-reduce instead of shared memory, to show what that buys, and with no
    all-reduce at all: the ceiling any all-reduce could reach; and two processes that each run
    the plain loop at batch 128 on one thread, with no DDP: what two processes reach on these cores.
@@ -224,8 +224,8 @@ def run_min_ddp(world: int, steps: int, allreduce: str = "shared-memory") -> flo
 def turns(world: int, steps: int, rounds: int = 8) -> dict[str, float]:
     """min_ddp at `world` against the plain loop on the same global batch, epochs taking turns in
     one job: medians of each, and the median of the rounds' ratios. Separate jobs here differ by
-    up to 15% (this VM switches between a fast and a slow phase for seconds at a time), so only
-    turns within one job compare the two at the same moment."""
+    up to 15% (this VM switches between a fast and a slow phase for seconds or many minutes at a
+    time), so only turns within one job compare the two at the same moment."""
     pairs = run_launched(turns_worker, world, steps, rounds, torch.get_num_threads())
     return {"plain": statistics.median(plain for plain, _ in pairs),
             "min_ddp": statistics.median(ddp for _, ddp in pairs),
