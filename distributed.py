@@ -256,7 +256,8 @@ def _start_context() -> Any:
     without the OpenMP threads a parallel op started, its own first parallel op hangs
     (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035). Else forkserver: it imports torch once and
     forks every worker from that clean state."""
-    if sys.platform == "linux" and len(os.listdir("/proc/self/task")) == 1 and not torch.cuda.is_available():
+    threads = "/proc/self/task"  # one entry per thread; missing outside Linux and in a chroot without /proc
+    if os.path.isdir(threads) and len(os.listdir(threads)) == 1 and not torch.cuda.is_available():
         return mp.get_context("fork")
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")

@@ -235,6 +235,30 @@ def test_a_single_threaded_launcher_forks_its_workers_itself_else_its_forkserver
     assert len(parents) == 1 and (parents == {j.proc.pid}) == forked_by_launcher, (parents, j.proc.pid)
 
 
+# Runs the rest of the command in its own mount namespace without /proc, like a chroot that never mounted it.
+WITHOUT_PROC = ["unshare", "--mount", "sh", "-c", 'umount -l /proc && exec "$@"', "without-proc"]
+
+
+def without_proc_unavailable() -> str | None:
+    try:
+        done = subprocess.run([*WITHOUT_PROC, "true"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"unshare is missing: {e}"
+    return None if done.returncode == 0 else f"cannot unmount /proc in a mount namespace: {done.stderr.strip()}"
+
+
+WITHOUT_PROC_UNAVAILABLE = without_proc_unavailable()
+
+
+@pytest.mark.skipif(bool(WITHOUT_PROC_UNAVAILABLE), reason=str(WITHOUT_PROC_UNAVAILABLE))
+def test_a_launcher_without_proc_cannot_count_its_threads_so_its_forkserver_starts_the_workers(job):
+    j = job(command=[*WITHOUT_PROC, sys.executable, "job.py", "ok", "0", "2"])
+    code, out, err = j.finish()
+    assert code == 0 and "job ok" in out, err
+    parents = {int(ready.read_text()) for ready in j.ready_dir.iterdir()}
+    assert len(parents) == 1 and parents != {j.proc.pid}, (parents, j.proc.pid)
+
+
 def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_path):
     """A worker forked from a launcher whose OpenMP threads exist would hang at its first parallel op."""
     script = tmp_path / "openmp.py"
