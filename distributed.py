@@ -18,7 +18,7 @@ The same script runs unchanged as
     srun -n N python train.py                        # SLURM
 
 Sections, in the order a script uses them: launching, the process group, data, collectives,
-checkpoints. Standard library and torch only; no module-level state.
+checkpoints. Standard library and torch only (2.8 or newer); no module-level state.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -462,6 +463,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
         torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "gloo" and env.rank == 0 and torch.__version__ < "2.8":  # torch compares versions
+        warnings.warn(f"torch {torch.__version__}: cleanup() can hang in destroy_process_group with gloo before "
+                      "torch 2.8 (https://github.com/pytorch/pytorch/pull/154976); upgrade torch", stacklevel=2)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
     return device

@@ -217,10 +217,13 @@ def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_normal_run_leaves_no_process_behind(job, launcher):
+def test_normal_run_warns_of_nothing_and_leaves_no_process_behind(job, launcher):
+    """On the pinned torch; before torch 2.8, init_process_group warns that cleanup() can hang."""
     j = job("ok", "0", "3", env=launcher)
     code, out, err = j.finish()
     assert code == 0 and "job ok" in out, err
+    torch_numpy_notice = ("Failed to initialize NumPy", "_conversion_method_template")
+    assert [line for line in err.splitlines() if not any(s in line for s in torch_numpy_notice)] == [], err
     assert j.leftovers(within=0) == []
 
 
