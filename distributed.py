@@ -463,7 +463,8 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
         torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "gloo" and env.rank == 0 and torch.__version__ < "2.8":  # torch compares versions
+    # torch.__version__ compares as a version ("2.13" is newer than "2.8"), not as text.
+    if backend == "gloo" and env.rank == 0 and torch.__version__ < "2.8":
         warnings.warn(f"torch {torch.__version__}: cleanup() can hang in destroy_process_group with gloo before "
                       "torch 2.8 (https://github.com/pytorch/pytorch/pull/154976); upgrade torch", stacklevel=2)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
