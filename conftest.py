@@ -293,6 +293,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cannot_run(command: list[str], what: str) -> str | None:
+    """None if ``command`` succeeds here, else why not (a skip reason: "{what}: {its stderr}")."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"{command[0]} is missing: {e}"
+    return None if done.returncode == 0 else f"{what}: {done.stderr.strip()}"
+
+
 def leftover_processes(marker: str) -> list[int]:
     """Live processes whose environment carries ``marker``: a launcher's whole tree inherits it."""
     found = []

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import distributed
-from conftest import HERE, free_port, leftover_processes, run_script
+from conftest import HERE, cannot_run, free_port, leftover_processes, run_script
 
 # A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
 # writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
@@ -88,6 +88,10 @@ class Job:
             assert self.proc.poll() is None, f"launcher exited early: {self.proc.communicate()}"
             assert time.monotonic() < deadline, "ranks did not start in time"
             time.sleep(0.05)
+
+    def worker_parents(self) -> set[int]:
+        """The parent pid of every rank that got ready (the launcher, or its forkserver)."""
+        return {int(ready.read_text()) for ready in self.ready_dir.iterdir()}
 
     def finish(self, timeout: float = 60) -> tuple[int, str, str]:
         try:
@@ -234,7 +238,7 @@ def test_a_single_threaded_launcher_forks_its_workers_itself_else_its_forkserver
     j = job("ok", "0", "2", env=launcher)
     code, out, err = j.finish()
     assert code == 0, err
-    parents = {int(ready.read_text()) for ready in j.ready_dir.iterdir()}
+    parents = j.worker_parents()
     assert len(parents) == 1 and (parents == {j.proc.pid}) == forked_by_launcher, (parents, j.proc.pid)
 
 
@@ -242,15 +246,7 @@ def test_a_single_threaded_launcher_forks_its_workers_itself_else_its_forkserver
 WITHOUT_PROC = ["unshare", "--mount", "sh", "-c", 'umount -l /proc && exec "$@"', "without-proc"]
 
 
-def without_proc_unavailable() -> str | None:
-    try:
-        done = subprocess.run([*WITHOUT_PROC, "true"], capture_output=True, text=True, timeout=30)
-    except OSError as e:
-        return f"unshare is missing: {e}"
-    return None if done.returncode == 0 else f"cannot unmount /proc in a mount namespace: {done.stderr.strip()}"
-
-
-WITHOUT_PROC_UNAVAILABLE = without_proc_unavailable()
+WITHOUT_PROC_UNAVAILABLE = cannot_run([*WITHOUT_PROC, "true"], "cannot unmount /proc in a mount namespace")
 
 
 @pytest.mark.skipif(bool(WITHOUT_PROC_UNAVAILABLE), reason=str(WITHOUT_PROC_UNAVAILABLE))
@@ -258,7 +254,7 @@ def test_a_launcher_without_proc_cannot_count_its_threads_so_its_forkserver_star
     j = job(command=[*WITHOUT_PROC, sys.executable, "job.py", "ok", "0", "2"])
     code, out, err = j.finish()
     assert code == 0 and "job ok" in out, err
-    parents = {int(ready.read_text()) for ready in j.ready_dir.iterdir()}
+    parents = j.worker_parents()
     assert len(parents) == 1 and parents != {j.proc.pid}, (parents, j.proc.pid)
 
 

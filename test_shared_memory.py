@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import HERE, build_model, examples, free_port, task_train
+from conftest import HERE, build_model, cannot_run, examples, free_port, task_train
 from shared_memory_allreduce import shared_memory_allreduce
 
 # python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun
@@ -75,15 +75,7 @@ PRIVATE_SHM = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size="$0" tm
 WIDE = 4096  # Linear(4096, 8): 128 KiB of gradients, so 128 KiB of /dev/shm for two ranks
 
 
-def private_shm_unavailable() -> str | None:
-    try:
-        done = subprocess.run([*PRIVATE_SHM, "1M", "true"], capture_output=True, text=True, timeout=30)
-    except OSError as e:
-        return f"unshare is missing: {e}"
-    return None if done.returncode == 0 else f"cannot mount a private /dev/shm: {done.stderr.strip()}"
-
-
-PRIVATE_SHM_UNAVAILABLE = private_shm_unavailable()
+PRIVATE_SHM_UNAVAILABLE = cannot_run([*PRIVATE_SHM, "1M", "true"], "cannot mount a private /dev/shm")
 needs_private_shm = pytest.mark.skipif(bool(PRIVATE_SHM_UNAVAILABLE), reason=str(PRIVATE_SHM_UNAVAILABLE))
 
 
