@@ -8,9 +8,7 @@
     python min_ddp.py --config cfg.json --epochs 3      # flags override the file
     python min_ddp.py --snapshot run.pt --epochs 10     # resumes from run.pt if it exists
 
-Every --log-every steps each rank's loss/accuracy and the global ones (sums over every rank's
-samples, never a mean of means) are printed. Every epoch the whole validation set is evaluated
-exactly once across the ranks (pad=False), so the validation metrics equal a one-process evaluation.
+Prints each rank's and the global loss/accuracy every --log-every steps, and an exact validation every epoch.
 """
 import argparse
 import contextlib
@@ -28,10 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import distributed
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete to keep gloo's all-reduce
 
-FEATURES, CLASSES = 32, 10
-TRAIN_SIZE, VAL_SIZE = 16384, 4096
+FEATURES, CLASSES, TRAIN_SIZE, VAL_SIZE = 32, 10, 16384, 4096
 DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
-POSITIVE = ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "save_every")
 
 
 def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -90,8 +86,7 @@ def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Mod
 
 
 def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, CLASSES))
+    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
 
 
 def make_dataset(split: str, dtype: torch.dtype = torch.float32) -> TensorDataset:
@@ -129,8 +124,7 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
         if (step + 1) % args.log_every == 0 or step + 1 == steps:
             epoch_stats += log_metrics(stats, f"epoch {epoch + 1} step {step + 1}/{steps}")
             stats.zero_()
-    loss_sum, _, count = epoch_stats.tolist()
-    return loss_sum / count
+    return (epoch_stats[0] / epoch_stats[2]).item()  # loss sum / samples
 
 
 def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
@@ -149,9 +143,8 @@ def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]:
-    """Global validation (mean loss, correct, samples), every sample counted exactly once. ``model``
-    is the plain module: ranks may run different numbers of batches, and a DDP forward could start
-    collectives that the other ranks never join."""
+    """Global validation (mean loss, correct, samples), each sample counted once. ``model`` is the plain
+    module: ranks may run different batch counts, and a DDP forward could start a collective others skip."""
     model.eval()
     device = next(model.parameters()).device
     stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
@@ -192,9 +185,8 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     saved, now = state["settings"], resume_settings(args)
     for key, hint in (("seed", "--seed"), ("global_batch", "--batch-size x processes x --grad-accum")):
         if saved[key] != now[key]:
-            raise ValueError(f"--snapshot {args.snapshot} was written with {key}={saved[key]} (world size "
-                             f"{saved['world_size']}), this run has {key}={now[key]}: keep {hint} equal "
-                             "to the snapshot's to continue the same run, or use another --snapshot path")
+            raise ValueError(f"--snapshot {args.snapshot} has {key}={saved[key]} (world size {saved['world_size']}), "
+                             f"this run has {key}={now[key]}: keep {hint} as saved, or use another --snapshot path")
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -228,12 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config:
         p.set_defaults(**read_config(args.config, p))
         args = p.parse_args(argv)  # the command line wins over the file
-    for name in POSITIVE:
+    for name in ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "save_every"):
         if (value := getattr(args, name)) is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got: {value}")
     if args.print_config:  # like --help: print, then exit
-        settings = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
-        print(json.dumps(settings, indent=2))
+        print(json.dumps({k: v for k, v in vars(args).items() if k not in ("config", "print_config")}, indent=2))
         p.exit()
     return args
 
@@ -242,9 +233,8 @@ def writable(path: str) -> str:
     """A path whose file can be written: fail before training, not after hours of it."""
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} is a directory; name a file in it: {os.path.join(path, 'run.pt')}")
-    directory = os.path.dirname(os.path.abspath(path))
     try:
-        tempfile.TemporaryFile(dir=directory).close()
+        tempfile.TemporaryFile(dir=(directory := os.path.dirname(os.path.abspath(path)))).close()
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{path}: cannot write in {directory} ({e.strerror}); "
                                          "create the directory, make it writable, or choose another path")
