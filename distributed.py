@@ -50,8 +50,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
     "launch", "launch_mode", "WorkerFailed",
-    "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
-    "expand_hostlist",
+    "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup", "expand_hostlist",
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "unwrap",
@@ -121,8 +120,7 @@ def _launcher_env() -> _Launcher | None:
     env = os.environ
     present = [v for v in _TORCHRUN_VARS if v in env]
     if present:
-        missing = [v for v in _TORCHRUN_VARS if v not in env]
-        if missing:
+        if missing := [v for v in _TORCHRUN_VARS if v not in env]:
             raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
                                f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
         mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
@@ -374,8 +372,7 @@ def _sigterm_as_interrupt():
 def _terminate(processes: list) -> None:
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            p.terminate()
+        p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
     deadline = time.monotonic() + _GRACE_S
     for p in alive:
         p.join(max(deadline - time.monotonic(), 0))
@@ -705,11 +702,11 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
         except OSError as e:
             error = e
     # The primary's outcome travels as a number (0: saved, else the errno) to every rank.
-    errno = int(all_gather(0 if error is None else error.errno or -1)[0])
-    if errno != 0:
-        reason = error.strerror or str(error) if error is not None else os.strerror(errno)
-        raise OSError(errno, f"cannot write the snapshot ({reason}); the previous file, if any, is "
-                             "untouched: check the directory exists and is writable", os.fspath(path))
+    code = int(all_gather(0 if error is None else error.errno or -1)[0])
+    if code != 0:
+        reason = error.strerror or str(error) if error is not None else os.strerror(code)
+        raise OSError(code, f"cannot write the snapshot ({reason}); the previous file, if any, is "
+                            "untouched: check the directory exists and is writable", os.fspath(path))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:
