@@ -26,6 +26,7 @@ import ast
 import contextlib
 import ctypes
 import datetime
+import errno
 import gc
 import multiprocessing.connection
 import os
@@ -787,6 +788,9 @@ def _atomic_save(state: dict, path: str) -> None:
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable
+    except OSError as e:  # EINVAL: this filesystem cannot sync a directory (an SMB share), and the file is
+        if e.errno != errno.EINVAL:  # saved: https://github.com/microsoft/WSL/issues/2557
+            raise
     finally:
         os.close(directory)
 

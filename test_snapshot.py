@@ -6,6 +6,7 @@ real saving process with SIGKILL at 100 random points.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import distributed
-from conftest import (HERE, build_model, run_script, task_min_ddp, task_save_ddp_state,
+from conftest import (HERE, build_model, cannot_run, run_script, task_min_ddp, task_save_ddp_state,
                       task_save_expecting_error)
 
 EPOCHS = 3
@@ -273,6 +274,26 @@ def test_missing_parent_directory_is_a_clear_error(tmp_path):
     path = tmp_path / "no" / "such" / "snap.pt"
     with pytest.raises(OSError, match="cannot write the snapshot .*check the directory exists"):
         distributed.save_checkpoint({"x": torch.ones(1)}, path)
+
+
+# A save makes two fsync calls: the temporary file's, then the directory's after the rename. strace
+# makes one of them fail as a filesystem would: EINVAL where a directory cannot be synced (an SMB share
+# under WSL, vboxsf), EIO for a real I/O error.
+@pytest.mark.parametrize("fails, error, saved", [("directory", "EINVAL", True), ("directory", "EIO", False),
+                                                 ("file", "EINVAL", False)])
+def test_a_directory_that_cannot_be_synced_still_saves_but_other_sync_errors_fail(tmp_path, fails, error, saved):
+    if reason := cannot_run(["strace", "-o", "/dev/null", "true"], "strace cannot trace here"):
+        pytest.skip(reason)
+    path = tmp_path / "snap.pt"
+    distributed.save_checkpoint(versioned_state(1), path)
+    save = f"import distributed, torch; distributed.save_checkpoint({{'version': 2}}, {str(path)!r})"
+    inject = f"inject=fsync:error={error}:when={2 if fails == 'directory' else 1}"
+    out = subprocess.run(["strace", "-f", "-o", "/dev/null", "-e", inject, sys.executable, "-c", save], cwd=HERE,
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode == 0) == saved, out.stderr
+    assert saved or f"cannot write the snapshot ({os.strerror(getattr(errno, error))})" in out.stderr, out.stderr
+    # Never a half-written file: the new snapshot once renamed, else the previous one.
+    assert distributed.load_checkpoint(path)["version"] == (1 if fails == "file" else 2)
 
 
 @pytest.fixture
