@@ -706,8 +706,8 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     code = int(all_gather(0 if error is None else error.errno or -1)[0])
     if code != 0:
         reason = error.strerror or str(error) if error is not None else os.strerror(code)
-        raise OSError(code, f"cannot write the snapshot ({reason}); the previous file, if any, is "
-                            "untouched: check the directory exists and is writable", os.fspath(path))
+        raise OSError(code, f"cannot write the snapshot ({reason}); a file at that path, if any, is still "
+                            "a whole snapshot: check the directory exists and is writable", os.fspath(path))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict | None:

@@ -292,7 +292,8 @@ def test_a_directory_that_cannot_be_synced_still_saves_but_other_sync_errors_fai
                          capture_output=True, text=True, timeout=120)
     assert (out.returncode == 0) == saved, out.stderr
     assert saved or f"cannot write the snapshot ({os.strerror(getattr(errno, error))})" in out.stderr, out.stderr
-    # Never a half-written file: the new snapshot once renamed, else the previous one.
+    # Never a half-written file: the new snapshot once renamed (even if the directory's sync then
+    # failed), else the previous one.
     assert distributed.load_checkpoint(path)["version"] == (1 if fails == "file" else 2)
 
 
