@@ -65,6 +65,12 @@ def bench_data(samples: int) -> TensorDataset:
     return TensorDataset(torch.randn(samples, 512, generator=gen), torch.randint(10, (samples,), generator=gen))
 
 
+def as_pairs(data: TensorDataset) -> list[tuple[torch.Tensor, int]]:
+    """The data as min_ddp.make_dataset gives its own: a list of (input, label) pairs."""
+    inputs, labels = data.tensors
+    return list(zip(inputs, labels.tolist()))
+
+
 def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -126,7 +132,7 @@ def min_ddp_trainer(device: torch.device, steps: int, allreduce: str) -> Callabl
     optimizer = optimizer_for(model)
     world = dist.get_world_size()
     warm, timed = (DataLoader(data, batch_size=BATCH, sampler=dist.data_sampler(data, True, True))
-                   for data in (bench_data(BATCH * world * n) for n in (WARMUP, steps)))
+                   for data in (as_pairs(bench_data(BATCH * world * n)) for n in (WARMUP, steps)))
     quiet = contextlib.redirect_stdout(io.StringIO())  # the metric lines are part of the cost, not the output
     with quiet:
         min_ddp.train_epoch(ddp_model, warm, optimizer, argparse.Namespace(grad_accum=1, log_every=10**9), 0)

@@ -269,8 +269,7 @@ def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float, flo
     """
     torch.manual_seed(0)
     model = min_ddp.make_model().double()
-    inputs, labels = min_ddp.make_dataset("val")[:n]
-    data = TensorDataset(inputs.double(), labels)
+    data = min_ddp.make_dataset("val", torch.float64)[:n]
     loader = DataLoader(data, batch_size=batch, sampler=distributed.data_sampler(data, True, False, pad=False))
     return min_ddp.evaluate(model, loader)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import distributed
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete to keep gloo's all-reduce
@@ -89,14 +89,14 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
 
 
-def make_dataset(split: str, dtype: torch.dtype = torch.float32) -> TensorDataset:
-    """Gaussian blobs, one per class: deterministic, identical on every rank, nothing downloaded."""
+def make_dataset(split: str, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, int]]:
+    """(input, label) pairs of Gaussian blobs, one per class, the same on every rank: a list is a dataset."""
     centers = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(DATA_SEED))
     size, offset = (TRAIN_SIZE, 1) if split == "train" else (VAL_SIZE, 2)
     gen = torch.Generator().manual_seed(DATA_SEED + offset)
     labels = torch.randint(CLASSES, (size,), generator=gen)
     inputs = centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen)
-    return TensorDataset(inputs.to(dtype), labels)
+    return list(zip(inputs.to(dtype), labels.tolist()))
 
 
 def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,

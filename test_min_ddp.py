@@ -23,13 +23,19 @@ RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR = 2, 7, 0.05
 
 
+def dataset_tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """min_ddp's (input, label) pairs in float64, as one input tensor and one label tensor."""
+    inputs, labels = zip(*min_ddp.make_dataset(split, torch.float64))
+    return torch.stack(inputs), torch.tensor(labels)
+
+
 def reference_training(world: int, batch: int, accum: int) -> torch.nn.Module:
     """min_ddp's training written as one process: global batches of world x batch x accum samples."""
     with one_thread():
         torch.manual_seed(SEED)
         model = min_ddp.make_model().double()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        x, y = min_ddp.make_dataset("train", torch.float64).tensors
+        x, y = dataset_tensors("train")
         per_step = batch * accum
         for epoch in range(EPOCHS):
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED + epoch))
@@ -75,7 +81,7 @@ def test_reference_loop_sees_a_missing_reshuffle(pools, tmp_path):
         torch.manual_seed(SEED)
         model = min_ddp.make_model().double()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        x, y = min_ddp.make_dataset("train", torch.float64).tensors
+        x, y = dataset_tensors("train")
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED))
         for _ in range(EPOCHS):
             for idx in order.split(128):
@@ -95,7 +101,7 @@ def test_min_ddp_prints_the_validation_of_a_one_process_evaluation_exactly(pools
     with one_thread(), torch.no_grad():
         model = min_ddp.make_model().double()
         model.load_state_dict(state)
-        x, y = min_ddp.make_dataset("val", torch.float64).tensors
+        x, y = dataset_tensors("val")
         logits = model(x)
         loss, correct = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).sum().item()
     assert line.groups() == (f"{loss:.4f}", f"{correct / len(y):.4f}", str(correct), str(len(y)))
