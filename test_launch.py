@@ -244,8 +244,6 @@ def test_a_single_threaded_launcher_forks_its_workers_itself_else_its_forkserver
 
 # Runs the rest of the command in its own mount namespace without /proc, like a chroot that never mounted it.
 WITHOUT_PROC = ["unshare", "--mount", "sh", "-c", 'umount -l /proc && exec "$@"', "without-proc"]
-
-
 WITHOUT_PROC_UNAVAILABLE = cannot_run([*WITHOUT_PROC, "true"], "cannot unmount /proc in a mount namespace")
 
 
