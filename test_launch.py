@@ -202,6 +202,28 @@ def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job, launcher):
     assert j.leftovers() == []
 
 
+def forkserver_importing_torch(pid: int) -> bool:
+    try:  # torch's library is mapped early in `import torch`, which takes seconds
+        return b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes() and "libtorch" in Path(
+            f"/proc/{pid}/maps").read_text()
+    except OSError:  # it has exited
+        return False
+
+
+def test_ctrl_c_while_the_forkserver_imports_torch_leaves_no_process_behind(job):
+    """Ctrl-C in the first seconds, while the forkserver imports torch: it dies of the interrupt (beside
+    the launcher's traceback it prints its own), so it forks no worker that the launcher never learns of."""
+    j = job("wait", "0", "2", env={"JOB_THREAD": "1"})
+    deadline = time.monotonic() + 60
+    while not any(map(forkserver_importing_torch, leftover_processes(f"DDP_TEST_MARKER={j.marker}"))):
+        assert j.proc.poll() is None and time.monotonic() < deadline, j.proc.communicate()
+        time.sleep(0.01)
+    os.killpg(j.proc.pid, signal.SIGINT)
+    code, out, err = j.finish()
+    assert code in (-signal.SIGINT, 130), err
+    assert j.leftovers() == []
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_workers_die_with_a_sigkilled_launcher(job, launcher):
     j = job("wait", "0", "3", env=launcher)
