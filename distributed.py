@@ -322,14 +322,14 @@ def _threads_per_process(nprocs: int) -> int:
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
-    """SIGKILL this process when its launcher dies: the parent-death signal for a torchrun worker
-    (its parent is the agent); a launch() worker's parent may be the forkserver, which outlives the
-    launcher while any worker holds its "alive" pipe, so it also watches the launcher's pidfd."""
+    """SIGKILL this process when its launcher dies: the parent-death signal when the launcher is the
+    parent (torchrun's agent, or launch() forking); a worker of the forkserver, which outlives the
+    launcher while any worker holds its "alive" pipe, also watches the launcher's pidfd."""
     if sys.platform != "linux":
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if launcher_pid is None:
+    if launcher_pid in (None, os.getppid()):
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
         return
