@@ -203,11 +203,11 @@ def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job, launcher):
 
 
 def forkserver_importing_torch(pid: int) -> bool:
-    try:  # torch's library is mapped early in `import torch`, which takes seconds
-        return b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes() and "libtorch" in Path(
-            f"/proc/{pid}/maps").read_text()
+    try:
+        cmdline, maps = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/maps").read_text()
     except OSError:  # it has exited
         return False
+    return b"forkserver" in cmdline and "libtorch" in maps  # mapped early in `import torch`, which takes seconds
 
 
 def test_ctrl_c_while_the_forkserver_imports_torch_leaves_no_process_behind(job):
