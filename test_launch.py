@@ -97,9 +97,11 @@ class Job:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            exited = self.proc.poll() is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             out, err = self.proc.communicate()
-            pytest.fail(f"the launcher hung (killed after {timeout} s)\nstdout:\n{out}\nstderr:\n{err}")
+            what = "a process the launcher left behind kept its output open" if exited else "the launcher hung"
+            pytest.fail(f"{what} (killed after {timeout} s)\nstdout:\n{out}\nstderr:\n{err}")
         return self.proc.returncode, out, err
 
     def leftovers(self, within: float = 5.0) -> list[int]:
