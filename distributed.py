@@ -57,7 +57,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "unwrap",
 ]
 
-# gloo and NCCL wait 30 minutes by default before a stuck collective fails; 5 minutes is long enough
+# gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
 # for a rank-0-only evaluation or save, and short enough that a hung rank does not eat the allocation.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -137,10 +137,15 @@ def _launcher_env() -> _Launcher | None:
     return _Launcher(mode, rank, local, world)
 
 
+# Steps that are not srun's tasks: the sbatch script (4294967294, or 4294967291 since SLURM 20.11), the
+# extern step (4294967292) and salloc's shell under LaunchParameters=use_interactive_step (4294967290).
+_NOT_RANK_STEPS = ("batch", "extern", "interactive", "4294967294", "4294967292", "4294967291", "4294967290")
+
+
 def _in_slurm_step() -> bool:
     """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
     step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
-    return step is not None and step not in ("batch", "extern", "4294967294", "4294967292")
+    return step is not None and step not in _NOT_RANK_STEPS
 
 
 def _env_int(name: str) -> int:
@@ -309,16 +314,19 @@ def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[s
     if init_method == "env://":  # explicit MASTER_PORT: connect to the store the parent holds
         env |= {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # a local job's data connections stay on loopback
+    if sys.platform == "linux":  # a local job's connections (gloo's, NCCL's bootstrap) stay on loopback
+        env |= {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
     return env
 
 
 def _threads_per_process(nprocs: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(int(os.environ["OMP_NUM_THREADS"]), 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max((cores or 1) // nprocs, 1)
+    return max(_usable_cpus() // nprocs, 1)
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
@@ -406,7 +414,9 @@ def _exit_report(rank: int, exitcode: int) -> dict:
     if exitcode >= 0:
         return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
     name = signal.Signals(-exitcode).name
-    hint = " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)" if name == "SIGKILL" else ""
+    hint = {"SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
+            "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank "
+                       "is probably stuck; else a crash in C++: see the rank's stderr)"}.get(name, "")
     return {"message": f"rank {rank} was killed by signal {name}{hint}"}
 
 
@@ -443,7 +453,7 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     behaves as one process. ``timeout`` (seconds or a timedelta; default ``DEFAULT_TIMEOUT``) bounds
     every collective, so a hung rank makes the others fail instead of waiting 30 minutes.
     """
-    device, timeout = _device_for(local_rank), _as_timedelta(timeout)  # bad input fails in every world
+    device, timeout = _device_for(local_rank, backend in (None, "nccl")), _as_timedelta(timeout)  # checked in every world
     if _has_group():
         return device
     env = _launcher_env()
@@ -458,8 +468,8 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
                          f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker")
     if env.mode == "torchrun":
         _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
-    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ and "SLURM_CPUS_PER_TASK" in os.environ:
-        torch.set_num_threads(_env_int("SLURM_CPUS_PER_TASK"))  # srun -c N: use the N CPUs given
+    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     # torch.__version__ compares as a version ("2.13" is newer than "2.8"), not as text.
     if backend == "gloo" and env.rank == 0 and torch.__version__ < "2.8":
@@ -488,6 +498,11 @@ def is_primary() -> bool:
 def cleanup() -> None:
     """Destroy the process group if there is one. Safe to call twice, and without a group."""
     if _has_group():
+        if sys.exception() is not None and dist.get_backend() == "nccl":
+            # Called while an error propagates (a `finally:`): destroying waits for NCCL work the other
+            # ranks will never finish, and the error would be reported, if ever, as the watchdog's
+            # SIGABRT. The process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
+            return
         # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
         # threads free them after Python is gone and the process aborts ("terminate called without
         # an active exception"). https://github.com/pytorch/pytorch/pull/179291
@@ -509,13 +524,45 @@ def _has_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _device_for(local_rank: int) -> torch.device:
+def _device_for(local_rank: int, nccl: bool) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # With one GPU per task (srun --gpus-per-task) every task sees its GPU as cuda:0.
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", _gpu_index(local_rank, torch.cuda.device_count(), launch_mode(), nccl))
     torch.cuda.set_device(device)
     return device
+
+
+def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
+    """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
+    if local_rank < gpus:
+        return local_rank
+    if not nccl or gpus == 1 and mode == "slurm":  # srun --gpus-per-task=1: each task sees its GPU as cuda:0
+        return local_rank % gpus
+    raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
+                       "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
+                       f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
+                       "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+
+
+def _slurm_threads() -> int:
+    """A SLURM task's threads: its CPUs (srun -c N), else its share of the CPUs it may use with the
+    other tasks of its node (srun without -c lets every task use every allocated core). A task bound
+    to its own CPUs keeps them all."""
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        return max(_env_int("SLURM_CPUS_PER_TASK"), 1)
+    cpus = _usable_cpus()
+    node_cpus = _env_int("SLURM_CPUS_ON_NODE") if "SLURM_CPUS_ON_NODE" in os.environ else cpus
+    return max(min(cpus, node_cpus // _slurm_tasks_on_node()), 1)
+
+
+def _slurm_tasks_on_node() -> int:
+    """This node's tasks in the step, from SLURM's per-node counts: "2(x3),1" is 2, 2, 2, 1."""
+    counts = []
+    for item in os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1")).split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    node = _env_int("SLURM_NODEID") if "SLURM_NODEID" in os.environ else 0
+    return max(counts[node] if node < len(counts) else 1, 1)
 
 
 def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:

@@ -581,3 +581,105 @@ def test_sbatch_wrap_without_srun_runs_min_ddp_as_one_process(slurm, tmp_path):
     assert out.returncode == 0, (out.stderr, text)
     assert "mode=single world=1" in text and "done: world=1 epochs=1" in text, text
 
+
+
+# A rank that prints what it was given: python ranks.py (under srun, salloc or launch()).
+RANKS = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed
+
+    def worker(local_rank, world_size):
+        distributed.init_process_group(local_rank, world_size, timeout=60)
+        distributed.print_ranked(f"mode={{distributed.launch_mode()}} world={{world_size}} "
+                                 f"threads={{torch.get_num_threads()}}")
+        distributed.cleanup()
+
+    if __name__ == "__main__":
+        distributed.launch(worker)
+''')
+
+
+def test_srun_without_c_gives_each_task_its_share_of_the_cores(slurm, tmp_path):
+    """`srun -n 2` without -c lets both tasks use every core: each must take half, as launch() does,
+    not all of them (2 x all cores oversubscribes the node; measured 8x slower in bench.py's row)."""
+    (tmp_path / "ranks.py").write_text(RANKS.format(repo=HERE))
+    out = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "ranks.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    share = max(len(os.sched_getaffinity(0)) // 2, 1)
+    assert out.stdout.split("\n")[:2] == [f"[rank {r}] mode=slurm world=2 threads={share}" for r in (0, 1)], out.stdout
+
+
+@pytest.mark.parametrize("env, cpus, threads", [
+    ({"SLURM_CPUS_PER_TASK": "3"}, 8, 3),                                          # srun -c 3: its 3 CPUs
+    ({"SLURM_CPUS_ON_NODE": "8", "SLURM_STEP_TASKS_PER_NODE": "2"}, 8, 4),          # 2 tasks share 8 CPUs
+    ({"SLURM_CPUS_ON_NODE": "8", "SLURM_STEP_TASKS_PER_NODE": "8"}, 8, 1),
+    ({"SLURM_CPUS_ON_NODE": "16", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}, 16, 16),
+    ({"SLURM_CPUS_ON_NODE": "16", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}, 16, 4),
+    ({"SLURM_CPUS_ON_NODE": "16", "SLURM_STEP_TASKS_PER_NODE": "4"}, 4, 4),          # bound to its own 4 CPUs
+    ({"SLURM_STEP_TASKS_PER_NODE": "2"}, 2, 1),                                     # no SLURM_CPUS_ON_NODE
+])
+def test_slurm_task_threads_follow_its_cpus_and_the_tasks_on_its_node(monkeypatch, env, cpus, threads):
+    for key in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))  # the CPUs this task may use
+    assert distributed._slurm_threads() == threads
+
+
+@pytest.mark.parametrize("step", ["4294967290", "4294967291", "4294967294", "interactive", "batch", "extern"])
+def test_salloc_and_sbatch_steps_are_not_ranks(monkeypatch, step):
+    """salloc's interactive step (use_interactive_step, SLURM >= 20.11) and the batch steps run the
+    user's shell or script, not srun's tasks: a script started there decides its own processes."""
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+                       "SLURM_STEP_ID": step}.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.launch_mode() == "single"
+
+
+def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path):
+    """`salloc -n 2`, then `python train.py` typed in its shell: on clusters with use_interactive_step
+    the shell is itself a job step, and the script must run alone instead of joining a world of srun tasks."""
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    if "use_interactive_step" not in config:
+        pytest.skip("the local cluster has no LaunchParameters=use_interactive_step (bash .ci/slurm up sets it)")
+    if not shutil.which("script"):
+        pytest.skip("`script` (util-linux) is missing: salloc's interactive step needs a terminal")
+    (tmp_path / "ranks.py").write_text(RANKS.format(repo=HERE))
+    typed = f"echo step=$SLURM_STEP_ID; {sys.executable} ranks.py; exit\n"
+    out = subprocess.run(["script", "-qec", "salloc -n 2", "/dev/null"], input=typed, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout.replace("\r", "")
+    assert "step=4294967290" in text, text  # the shell ran inside the interactive step
+    assert "[rank 0] mode=single world=1" in text and "[rank 1]" not in text, text
+
+
+@pytest.mark.parametrize("local_rank, gpus, mode, nccl, index", [
+    (1, 2, "torchrun", True, 1), (0, 1, "torchrun", True, 0),
+    (1, 1, "slurm", True, 0),        # srun --gpus-per-task=1: every task sees its own GPU as cuda:0
+    (1, 1, "torchrun", False, 0),    # gloo with CUDA tensors may share a GPU
+    (3, 2, "slurm", False, 1),
+    (1, 1, "torchrun", True, None), (2, 2, "slurm", True, None), (4, 4, "spawn", True, None),
+])
+def test_more_local_ranks_than_gpus_under_nccl_is_an_error_naming_the_fix(local_rank, gpus, mode, nccl, index):
+    """NCCL refuses two ranks on one GPU with its own message: ours says what to change, before NCCL starts."""
+    if index is None:
+        with pytest.raises(RuntimeError, match=rf"local rank {local_rank} has no GPU of its own: this process sees "
+                                               rf"{gpus} GPU.*--nproc_per_node={gpus}.*CUDA_VISIBLE_DEVICES="):
+            distributed._gpu_index(local_rank, gpus, mode, nccl)
+    else:
+        assert distributed._gpu_index(local_rank, gpus, mode, nccl) == index
+
+
+def test_spawned_ranks_keep_gloo_and_nccl_bootstrap_on_loopback(monkeypatch):
+    """A local job must not listen on the network: gloo's connections and NCCL's bootstrap both bind lo,
+    unless the user chose an interface."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    env = distributed._spawn_env(1, 2, "file:///tmp/store", 1)
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert "NCCL_SOCKET_IFNAME" not in distributed._spawn_env(1, 2, "file:///tmp/store", 1)  # the user's wins
