@@ -328,7 +328,7 @@ class WorkerPool:
         pipes = [mp.get_context("spawn").Pipe() for _ in range(world)]
         self.conns = [parent for parent, _ in pipes]
         self.workers = distributed._Workers(_serve, world, ([child for _, child in pipes],),
-                                            env={"OMP_NUM_THREADS": "1"})
+                                            env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         for _, child in pipes:
             child.close()
 
@@ -397,7 +397,7 @@ def worker_pools() -> WorkerPools:
 def _serve(rank: int, world: int, conns: list) -> None:
     """A pool worker's main: join the group once, then run tasks until told to stop."""
     conn = conns[rank]
-    distributed.init_process_group(rank, world, timeout=_GROUP_TIMEOUT_S)
+    distributed.init_process_group(rank, world, backend="gloo", timeout=_GROUP_TIMEOUT_S)
     try:
         while True:
             try:

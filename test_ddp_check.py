@@ -234,6 +234,18 @@ def test_a_hung_rank_fails_the_call_after_the_timeout_and_the_next_call_works(mo
     assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,))  # a new pool: the hung one was stopped
 
 
+def task_where_the_pool_runs(spec: dict) -> tuple:
+    import os
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.distributed.get_backend(), torch.cuda.device_count()
+
+
+def test_pool_workers_are_gloo_cpu_processes_even_where_gpus_are_visible():
+    """Without this, on a GPU machine the pools got nccl: two ranks on one GPU ("Duplicate GPU detected"),
+    or a CPU model wrapped by DDP on an nccl group. The check compares CPU processes, as the README says."""
+    ranks = ddp_check.worker_pools().run(2, task_where_the_pool_runs, {})
+    assert ranks == [("", "gloo", 0)] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input fails before any process starts
 # ---------------------------------------------------------------------------------------------
