@@ -193,8 +193,8 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     except (RuntimeError, ValueError, KeyError) as e:
         raise ValueError(f"--snapshot {args.snapshot} holds a different model or optimizer than this "
                          f"script builds ({e}); use another --snapshot path") from e
-    rng = state["rng"]
-    torch.set_rng_state(rng[distributed.get_rank()] if len(rng) == distributed.get_world_size() else rng[0])
+    rng = state["rng"]  # load_checkpoint maps tensors to this rank's device; set_rng_state takes CPU bytes
+    torch.set_rng_state(rng[distributed.get_rank() if len(rng) == distributed.get_world_size() else 0].cpu())
     distributed.print_primary(f"resumed from {args.snapshot} after {state['epochs_run']} epoch(s)")
     return state["epochs_run"], state["train_loss"]
 

@@ -1,0 +1,166 @@
+"""What only a GPU shows: nccl, CUDA tensors in every helper, snapshots on the GPU, failures under nccl.
+
+    python -m pytest -q test_gpu.py        # on a machine with CUDA; skipped (with the reason) elsewhere
+
+NCCL refuses two ranks on one GPU, so with one GPU nccl runs as a world of one and the multi-rank
+cases run under torchrun as gloo with CUDA tensors; the failure cases under nccl need two GPUs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from conftest import HERE, leftover_processes, run_script
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible: these tests need a GPU")
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one device")
+
+# python job.py BACKEND SNAPSHOT [BEHAVIOUR]: every helper with CUDA and CPU tensors, then BEHAVIOUR.
+JOB = textwrap.dedent('''
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed
+
+    def check(got, expected, device):
+        assert got.device == device, (got.device, device)
+        assert torch.equal(got.cpu(), expected), (got, expected)
+
+    def worker(local_rank, world_size, backend, snapshot, behaviour):
+        device = distributed.init_process_group(local_rank, world_size, backend=backend, timeout=20)
+        assert device.type == "cuda" and torch.distributed.get_backend() in (backend, "undefined"), device
+        rank, world = distributed.get_rank(), distributed.get_world_size()
+        for where in (device, torch.device("cpu")):
+            check(distributed.reduce(torch.tensor([rank + 1.0], device=where)),
+                  torch.tensor([world * (world + 1) / 2]), where)
+            check(distributed.reduce(torch.tensor(rank, device=where), "mean"),
+                  torch.tensor((world - 1) / 2, dtype=torch.float64), where)
+            check(distributed.reduce(torch.tensor(True, device=where)), torch.tensor(world), where)
+            check(distributed.reduce(torch.tensor(rank, dtype=torch.int16, device=where), "max"),
+                  torch.tensor(world - 1, dtype=torch.int16), where)
+            check(distributed.all_gather(torch.tensor([rank, -rank], device=where)),
+                  torch.tensor([[r, -r] for r in range(world)]), where)
+        distributed.print_ranked(f"on {{device}}")
+        state = {{"weights": torch.full((3,), float(rank), device=device), "steps": torch.arange(3),
+                 "rng": torch.get_rng_state()}}
+        distributed.save_checkpoint(state, snapshot)
+        loaded = distributed.load_checkpoint(snapshot)
+        check(loaded["weights"], torch.zeros(3), device)   # the primary's, mapped to this rank's GPU
+        check(loaded["steps"], torch.arange(3), device)
+        torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
+        if behaviour == "raise" and rank == 1:
+            time.sleep(0.5)                                  # rank 0 waits in the reduce below
+            raise ValueError("root cause on rank 1")
+        if behaviour == "hang" and rank == 1:
+            time.sleep(3600)
+        distributed.reduce(torch.ones(1, device=device)).item()
+        distributed.print_primary("job ok")
+        distributed.cleanup()
+
+    def main(local_rank, world_size, backend, snapshot, behaviour):
+        try:
+            worker(local_rank, world_size, backend, snapshot, behaviour)
+        finally:
+            distributed.cleanup()                            # as the example does: must not hide the error
+
+    if __name__ == "__main__":
+        distributed.launch(main, sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ok")
+''')
+
+
+def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str, float]:
+    """Run the job (under torchrun with that many local ranks, else launch()); (result, marker, seconds)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(repo=HERE))
+    marker = uuid.uuid4().hex
+    command = [sys.executable, str(script), *args]
+    if torchrun:
+        command = ["torchrun", "--standalone", f"--nproc_per_node={torchrun}", str(script), *args]
+    started = time.monotonic()
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "DDP_TEST_MARKER": marker})
+    return out, marker, time.monotonic() - started
+
+
+def test_min_ddp_spawns_one_nccl_rank_per_visible_gpu_and_learns():
+    out = run_script(["min_ddp.py", "--epochs", "2", "--log-every", "1000"], timeout=300)
+    assert out.returncode == 0, out.stderr
+    backend = "nccl" if GPUS > 1 else "none"
+    assert f"world={GPUS} backend={backend} allreduce={backend} device=cuda" in out.stdout, out.stdout
+    done = re.search(r"done: world=(\d+) epochs=2 .* val_acc=([0-9.]+)", out.stdout)
+    assert done and int(done.group(1)) == GPUS and float(done.group(2)) > 0.9, out.stdout
+
+
+def test_min_ddp_snapshot_saves_and_resumes_on_the_gpu(tmp_path):
+    """The saved generator states come back mapped to the GPU; set_rng_state takes CPU bytes only."""
+    snapshot = str(tmp_path / "run.pt")
+    first = run_script(["min_ddp.py", "--epochs", "1", "--log-every", "1000", "--snapshot", snapshot], timeout=300)
+    assert first.returncode == 0, first.stderr
+    resumed = run_script(["min_ddp.py", "--epochs", "2", "--log-every", "1000", "--snapshot", snapshot], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {snapshot} after 1 epoch" in resumed.stdout and "done:" in resumed.stdout, resumed.stdout
+
+
+@pytest.mark.parametrize("backend, torchrun", [
+    pytest.param("nccl", 0, id="nccl-every-gpu"),           # a world of one with one GPU
+    pytest.param("gloo", 2, id="gloo-cuda-tensors-2-ranks"),  # ranks may share a GPU under gloo
+])
+def test_every_helper_works_with_cuda_and_cpu_tensors(tmp_path, backend, torchrun):
+    out, marker, _ = start_job(tmp_path, backend, str(tmp_path / "s.pt"), torchrun=torchrun)
+    assert out.returncode == 0, out.stderr
+    world = torchrun or GPUS
+    assert [f"[rank {r}] on cuda:" in out.stdout for r in range(world)] == [True] * world, out.stdout
+    assert "job ok" in out.stdout
+    assert leftover_processes(marker) == []
+
+
+@two_gpus
+def test_a_rank_that_raises_under_nccl_is_reported_with_its_own_exception(tmp_path):
+    """The example's `finally: cleanup()` must not wait for NCCL work the peers never finish: the report
+    is the rank's ValueError and traceback, not "killed by signal SIGABRT" a minute later."""
+    out, marker, _ = start_job(tmp_path, "nccl", str(tmp_path / "s.pt"), "raise", timeout=120)
+    assert out.returncode != 0
+    assert "ValueError: root cause on rank 1" in out.stderr and "[rank 1] failed first" in out.stderr, out.stderr
+    assert leftover_processes(marker) == []
+
+
+@two_gpus
+def test_a_hung_rank_under_nccl_fails_soon_after_the_timeout_saying_a_collective_timed_out(tmp_path):
+    # timeout=20 s in the job; NCCL's watchdog may wait up to a minute more to dump its flight recorder.
+    out, marker, seconds = start_job(tmp_path, "nccl", str(tmp_path / "s.pt"), "hang", timeout=300)
+    assert out.returncode != 0
+    assert seconds < 20 + 120, f"took {seconds:.0f} s"
+    assert re.search(r"timed out|Timeout|timeout", out.stderr), out.stderr[-3000:]
+    assert leftover_processes(marker) == []
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def vectors() -> TensorDataset:
+    gen = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(64, 5, generator=gen), torch.randint(3, (64,), generator=gen))
+
+
+def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def test_ddp_check_passes_on_a_gpu_machine():
+    """Its pools are gloo CPU processes that see no GPU: no nccl, no two ranks on one device."""
+    from ddp_check import assert_ddp_equivalent
+    assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,))
