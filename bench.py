@@ -23,6 +23,9 @@ compares numbers measured in this same run (a throughput ratio: the median of it
 3. Fail-fast: time from a rank raising to the launcher's exit.
 4. Logging: min_ddp's per-rank + global metrics every 10 steps vs only at the end of the epoch,
    timed epochs taking turns in one world-2 job (separate jobs differ by several % here).
+5. SLURM (where a cluster answers): `srun -n 2 python min_ddp.py` without -c against
+   `python min_ddp.py --nprocs 2`, min_ddp's own 2-epoch throughput, the two commands alternating.
+   `python bench.py --srun` measures this row alone.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ import io
 import itertools
 import json
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -52,7 +57,9 @@ import min_ddp
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
-           "launch_vs_torchrun": 0.80, "fail_fast_s": 1.0}
+           "launch_vs_torchrun": 0.80, "fail_fast_s": 1.0, "srun_vs_spawn": 0.80}
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIN_DDP_2_EPOCHS = [sys.executable, os.path.join(HERE, "min_ddp.py"), "--epochs", "2", "--log-every", "100000"]
 
 
 def bench_model() -> nn.Module:
@@ -305,6 +312,24 @@ def wall_time(command: list[str]) -> float:
     return seconds
 
 
+def min_ddp_throughput(command: list[str]) -> float:
+    """min_ddp's samples/s over its epochs (its last epoch line), run as a command."""
+    _, code, out = run_to_exit(command)
+    assert code == 0, out
+    return float(re.findall(r"\| (\d+) samples/s", out)[-1])
+
+
+def slurm_answers() -> bool:
+    return shutil.which("srun") is not None and subprocess.run(
+        ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30).stdout.strip() in ("idle", "mix")
+
+
+def srun_configs() -> dict[str, Callable[[], float]]:
+    """srun without -c (every task could use every core) against launch()'s --nprocs 2."""
+    return {"min_ddp_spawn2": lambda: min_ddp_throughput([*MIN_DDP_2_EPOCHS, "--nprocs", "2"]),
+            "min_ddp_srun2": lambda: min_ddp_throughput(["srun", "-n", "2", *MIN_DDP_2_EPOCHS])}
+
+
 def fail_fast_latency() -> float:
     with tempfile.TemporaryDirectory() as tmp:
         raised = os.path.join(tmp, "raised")
@@ -353,6 +378,7 @@ def measure(runs: int, steps: int) -> dict:
         "torchrun_s": lambda: wall_time(["torchrun", "--standalone", "--nproc_per_node=2", __file__, "--job"]),
         "fail_fast_s": fail_fast_latency,
         "logging_overhead": lambda: logging_overhead(steps),
+        **(srun_configs() if slurm_answers() else {}),
     }
     samples: dict[str, list[Any]] = {name: [] for name in configs}
     for _ in range(runs):
@@ -376,6 +402,7 @@ def measure(runs: int, steps: int) -> dict:
     }
     m["runs"] = samples
     m["ratio_ranges"] = {name: (min(values), max(values)) for name, values in per_run.items()}
+    add_srun_ratio(m, samples)
     return m
 
 
@@ -387,7 +414,8 @@ def spread(m: dict, ratio: str) -> str:
 def table(m: dict, runs: int) -> str:
     r = m["ratios"]
     higher = {"ddp2_vs_plain", "ddp2_vs_raw", "world1_vs_plain"}
-    met = {k: (r[k] >= TARGETS[k]) if k in higher else (r[k] <= TARGETS[k]) for k in TARGETS}
+    higher.add("srun_vs_spawn")
+    met = {k: (r[k] >= TARGETS[k]) if k in higher else (r[k] <= TARGETS[k]) for k in TARGETS if k in r}
     rows = [
         ("plain loop, all cores, batch 256", f"{m['plain_b256']:8.0f} samples/s",
          "(shuffled, as min_ddp; epochs take turns with the next row's in one job)"),
@@ -418,6 +446,8 @@ def table(m: dict, runs: int) -> str:
         ("fail-fast: raise -> launcher exit", f"{m['fail_fast_s']:8.2f} s",
          f"(target <= {TARGETS['fail_fast_s']} s)", "fail_fast_s"),
     ]
+    if "srun_vs_spawn" in r:
+        rows += srun_rows(m)
     lines = [f"{'measurement (median of ' + str(runs) + ' runs)':42s} {'value':>18s}   comparison"]
     for name, value, note, *key in rows:
         mark = ("  ok" if met[key[0]] else "  MISSED") if key else ""
@@ -425,11 +455,40 @@ def table(m: dict, runs: int) -> str:
     return "\n".join(lines)
 
 
+def srun_rows(m: dict) -> list[tuple]:
+    r = m["ratios"]["srun_vs_spawn"]
+    return [("min_ddp --nprocs 2 (launch)", f"{m['min_ddp_spawn2']:8.0f} samples/s", "2 epochs, its own count"),
+            ("srun -n 2 python min_ddp.py (no -c)", f"{m['min_ddp_srun2']:8.0f} samples/s",
+             f"{r:.3f}x --nprocs 2 (runs: {spread(m, 'srun_vs_spawn')}; target >= {TARGETS['srun_vs_spawn']})",
+             "srun_vs_spawn")]
+
+
+def measure_srun(runs: int) -> dict:
+    """The SLURM rows alone, the two commands alternating."""
+    samples = {name: [] for name in srun_configs()}
+    for _ in range(runs):
+        for name, run in srun_configs().items():
+            samples[name].append(run())
+    m: dict[str, Any] = {name: statistics.median(values) for name, values in samples.items()}
+    m.update(runs=samples, ratio_ranges={}, ratios={})
+    add_srun_ratio(m, samples)
+    return m
+
+
+def add_srun_ratio(m: dict, samples: dict) -> None:
+    """srun's throughput over launch()'s, run by run (the two alternate), where SLURM was measured."""
+    if "min_ddp_srun2" in samples:
+        per_run = [s / p for s, p in zip(samples["min_ddp_srun2"], samples["min_ddp_spawn2"])]
+        m["ratios"]["srun_vs_spawn"] = statistics.median(per_run)
+        m["ratio_ranges"]["srun_vs_spawn"] = (min(per_run), max(per_run))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="timed steps per throughput run")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--srun", action="store_true", help="only the SLURM rows (needs a cluster: bash .ci/slurm up)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -437,6 +496,15 @@ def main() -> None:
         p.error(f"--runs and --steps must be >= 1, got: --runs {args.runs} --steps {args.steps}")
     if args.job:
         dist.launch(job_worker, args.fail_file, nprocs=2)
+        return
+    if args.srun:
+        if not slurm_answers():
+            p.error("--srun needs an idle SLURM node (sinfo); on this machine: bash .ci/slurm up")
+        m = measure_srun(args.runs)
+        rows = srun_rows(m)
+        print(json.dumps(m, indent=2) if args.json else "\n".join(
+            f"{name:42s} {value:>18s}   {note}" + (("  ok" if m["ratios"][key[0]] >= TARGETS[key[0]] else "  MISSED")
+                                                  if key else "") for name, value, note, *key in rows))
         return
     m = measure(args.runs, args.steps)
     print(json.dumps(m, indent=2) if args.json else table(m, args.runs))
