@@ -29,6 +29,7 @@ import datetime
 import errno
 import gc
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import re
@@ -256,14 +257,11 @@ class _Workers:
 
 
 def _start_context() -> Any:
-    """fork while that is safe, so the workers share the launcher's imported torch: on CPU, from a
-    launcher that is still one thread. A forked child has none of its parent's other threads, and
-    without the OpenMP threads a parallel op started, its own first parallel op hangs
-    (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035). Else forkserver: it imports torch once and
-    forks every worker from that clean state."""
-    threads = "/proc/self/task"  # one entry per thread; missing outside Linux and in a chroot without /proc
-    if os.path.isdir(threads) and len(os.listdir(threads)) == 1 and not torch.cuda.is_available():
-        return mp.get_context("fork")
+    """forkserver: it imports torch once and forks every worker from that clean state, and each worker
+    imports the main script afresh, as mp.spawn's do, so what a worker sees never depends on whether
+    the launcher had threads (numpy's, OpenMP's). Forking the launcher itself would carry over its
+    main block's changes only while it is one thread: a child forked after OpenMP started its threads
+    hangs at its first parallel op (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -277,7 +275,6 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     gc.freeze()  # torch's objects live as long as this process: spare every full collection them
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker has the launcher's handler
     _die_with_parent(parent_pid)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -331,8 +328,8 @@ def _usable_cpus() -> int:
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
     """SIGKILL this process when its launcher dies: the parent-death signal when the launcher is the
-    parent (torchrun's agent, or launch() forking); a worker of the forkserver, which outlives the
-    launcher while any worker holds its "alive" pipe, also watches the launcher's pidfd."""
+    parent (torchrun's agent); a worker of launch()'s forkserver, which outlives the launcher while
+    any worker holds its "alive" pipe, also watches the launcher's pidfd."""
     if sys.platform != "linux":
         return
     with contextlib.suppress(OSError, AttributeError):
@@ -367,14 +364,16 @@ def _sigterm_as_interrupt():
 
     def on_term(signum: int, frame: Any) -> None:
         received.append(signum)
-        raise KeyboardInterrupt
+        if len(received) == 1:  # a second SIGTERM (GNU timeout signals us, then our group) must not
+            raise KeyboardInterrupt  # interrupt the cleanup the first one started
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if received:
+        if received:  # dying of a signal skips interpreter exit, which removes the forkserver's socket dir
+            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
             signal.raise_signal(signal.SIGTERM)
 
 
@@ -453,6 +452,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     behaves as one process. ``timeout`` (seconds or a timedelta; default ``DEFAULT_TIMEOUT``) bounds
     every collective, so a hung rank makes the others fail instead of waiting 30 minutes.
     """
+    if backend == "nccl" and not torch.cuda.is_available():  # torch would fail at world size 2, naming device_id
+        raise ValueError("init_process_group: backend='nccl' needs a GPU and this process sees none "
+                         "(torch.cuda.is_available() is False); pass backend=None (nccl on GPUs, else gloo) or 'gloo'")
     device, timeout = _device_for(local_rank, backend in (None, "nccl")), _as_timedelta(timeout)  # checked in every world
     if _has_group():
         return device
