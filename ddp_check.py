@@ -29,8 +29,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import inspect
 import multiprocessing.connection
 import pickle
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -49,36 +51,46 @@ __all__ = ["assert_ddp_equivalent", "worker_pools", "PoolError", "TIMEOUT_S"]
 TIMEOUT_S = 60.0            # a call that takes longer on some rank is a hang: its pool is restarted
 _GROUP_TIMEOUT_S = 30.0     # a collective stuck this long fails inside the ranks too
 _RTOL = 1e-7
+_TRACEBACK_LINES = 8        # of the first failed rank's, in a report; the whole text goes to a file
 
 
 def assert_ddp_equivalent(make_model: Callable[[], nn.Module], make_data: Callable[[], Any],
                           loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
                           make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
                           world_sizes: tuple[int, ...] = (2, 3), steps: int = 3, batch_size: int = 4,
-                          seed: int = 0) -> None:
+                          seed: int = 0, disable_dropout: bool = False, **ddp_options: Any) -> None:
     """Raise AssertionError if DDP training of ``make_model()`` differs from 1-process training.
 
     make_model(): an nn.Module, built after torch.manual_seed(seed) in the reference and every rank.
-    make_data(): a map-style Dataset whose items the default collate can batch.
-    loss_fn(model, batch): the scalar loss of a batch, as your training code computes it.
-    make_optimizer(params): an optimizer (default: SGD, lr 0.1).
-    All four must be top-level functions of an importable module (not lambdas or nested functions).
+    make_data(): a map-style Dataset whose items (tensors, or tuples, lists or dicts of them) the
+    default collate can batch. loss_fn(model, batch): the scalar loss of a batch (floating-point
+    tensors in float64), as your training code computes it. make_optimizer(params): an optimizer
+    (default: SGD, lr 0.1). All four must be top-level functions of an importable module.
+    disable_dropout=True: every dropout probability set to 0 for the check (nn.Dropout and its
+    variants, nn.MultiheadAttention's), since random masks cannot match one process's. Dropout
+    itself is then unchecked, and so is a probability kept as a plain number and passed to a
+    function (F.dropout, scaled_dot_product_attention's dropout_p): set that to 0 in make_model.
+    ddp_options: passed to every rank's DDP(...), as in your training code (find_unused_parameters=True,
+    broadcast_buffers=False, static_graph=True, ...).
     """
     check_equivalence(make_model, make_data, loss_fn, make_optimizer or _sgd, world_sizes=world_sizes,
-                      steps=steps, batch_size=batch_size, seed=seed)
+                      steps=steps, batch_size=batch_size, seed=seed, disable_dropout=disable_dropout,
+                      ddp_options=ddp_options)
 
 
 def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callable, make_optimizer: Callable,
                       *, world_sizes: tuple[int, ...], steps: int, batch_size: int, seed: int, accum: int = 1,
                       epoch: int = 0, shuffle: bool = True, after_ddp: Callable | None = None,
-                      rtol: float = _RTOL) -> dict[int, list[dict]]:
+                      rtol: float = _RTOL, disable_dropout: bool = False,
+                      ddp_options: dict | None = None) -> dict[int, list[dict]]:
     """assert_ddp_equivalent's engine, with the knobs this project's own tests vary: ``accum``
     micro-batches per step (all but the last under no_sync), the sampler's ``epoch`` and
     ``shuffle``, ``after_ddp(ddp_model)`` run on every rank after wrapping (a comm hook), and the
     tolerance. Returns every world size's per-rank records."""
     spec = {"make_model": make_model, "make_data": make_data, "loss_fn": loss_fn,
             "make_optimizer": make_optimizer, "steps": steps, "batch": batch_size, "seed": seed,
-            "accum": accum, "epoch": epoch, "shuffle": shuffle, "after_ddp": after_ddp}
+            "accum": accum, "epoch": epoch, "shuffle": shuffle, "after_ddp": after_ddp,
+            "disable_dropout": disable_dropout, "ddp_options": dict(ddp_options or {})}
     model = _check_inputs(spec, world_sizes)
     records = {}
     for world in world_sizes:
@@ -86,7 +98,7 @@ def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callab
         try:
             records[world] = worker_pools().run(world, _train_rank, spec)
         except PoolError as e:
-            raise AssertionError(_rank_failure(world, str(e), model)) from None
+            raise AssertionError(_rank_failure(world, e, model)) from None
         _compare(world, records[world], reference, model, rtol)
     return records
 
@@ -101,7 +113,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 def _train_rank(spec: dict) -> dict:
     """On every rank: DDP over this rank's shard; the records _compare reads."""
     model = _model(spec)
-    ddp = DDP(model)
+    ddp = DDP(model, **spec["ddp_options"])
     if spec["after_ddp"] is not None:
         spec["after_ddp"](ddp)
     data = spec["make_data"]()
@@ -159,7 +171,17 @@ def _shard(data: Any, world: int, rank: int, spec: dict) -> list[int]:
 
 def _model(spec: dict) -> nn.Module:
     torch.manual_seed(spec["seed"])
-    return spec["make_model"]().double()
+    model = spec["make_model"]().double()
+    return _without_dropout(model) if spec["disable_dropout"] else model
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
 
 
 def _float64(batch: Any) -> Any:
@@ -221,7 +243,7 @@ def _report(world: int, step: int, where: str, expected: torch.Tensor | None, go
         if not replicas and factor is not None and abs(factor / world - 1) < 0.05 and world > 1:
             lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP "
                                 "already averages over ranks; do not multiply the loss by the world size"))
-    lines += [_cause(c) for c in _suspects(model, replicas)]
+    lines += [_cause(c) for c in _suspects(model)]
     if replicas:
         lines.append(_cause("replicas that differ from each other: DDP keeps parameters equal by averaging "
                             "gradients and broadcasts rank 0's buffers only at the start of each forward, so "
@@ -240,31 +262,50 @@ def _scale(got: torch.Tensor, expected: torch.Tensor) -> float | None:
     return (got * expected).sum().item() / norm if norm > 0 else None
 
 
-def _suspects(model: nn.Module, replicas: bool) -> list[str]:
-    """What in the model is known to make DDP differ from one process, by qualified name and type."""
-    found = []
+def _suspects(model: nn.Module) -> list[str]:
+    """What in the model is known to make DDP differ from one process: one cause each, naming modules."""
+    batchnorms, dropouts = [], []
     for name, module in model.named_modules():
-        kind = f"`{name or '(the model)'}` ({type(module).__name__})"
+        where = f"`{name or '(the model)'}` ({type(module).__name__}"
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            found.append(f"BatchNorm module {kind} normalizes each rank's batch with that rank's own "
-                         "statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), "
-                         "or GroupNorm/LayerNorm, which need no batch statistics")
-        dropout = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
+            batchnorms.append(where + ")")
+        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
             module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0
-        if dropout > 0:
-            found.append(f"Dropout module {kind} with p={dropout}: random masks cannot match one process's; "
-                         "disable dropout for the check (p=0, or model.eval() for that module)")
+        if p > 0:
+            dropouts.append(f"{where}, p={p})")
+    found = []
+    if batchnorms:
+        found.append(f"BatchNorm in {_first_few(batchnorms)} normalizes each rank's batch with that rank's "
+                     "own statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), "
+                     "or GroupNorm/LayerNorm, which need no batch statistics")
+    if dropouts:
+        found.append(f"Dropout in {_first_few(dropouts)}: random masks cannot match one process's; pass "
+                     "disable_dropout=True to check the rest of the model (dropout itself is then unchecked)")
     return found
 
 
-def _rank_failure(world: int, report: str, model: nn.Module) -> str:
-    lines = [f"DDP training failed on a rank at world size {world}:"]
-    if "find_unused_parameters" in report or "did not receive grad" in report:
+def _first_few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _rank_failure(world: int, error: PoolError, model: nn.Module) -> str:
+    """The causes, then one rank's traceback, trimmed (ranks raise alike); every rank's in a file."""
+    if not error.tracebacks:  # a hang: the message names the ranks and the timeout
+        return f"DDP training failed at world size {world}: {error}"
+    with tempfile.NamedTemporaryFile("w", prefix="ddp_check-", suffix=".log", delete=False) as f:
+        f.write(str(error))
+    first = min(error.tracebacks)
+    lines = [f"DDP training failed on ranks {sorted(error.tracebacks)} at world size {world}:"]
+    if any("find_unused_parameters" in tb or "did not receive grad" in tb for tb in error.tracebacks.values()):
         lines.append(_cause("parameters that get no gradient in some step (unused parameters): DDP waits "
-                            "for every parameter's gradient; pass DDP(..., find_unused_parameters=True) in "
-                            "your training code, or remove the unused parameters"))
-    lines += [_cause(c) for c in _suspects(model, replicas=False)]
-    return "\n".join([*lines, report])
+                            "for every parameter's gradient; pass find_unused_parameters=True to "
+                            "assert_ddp_equivalent, as to DDP in your training code, or remove them"))
+    lines += [_cause(c) for c in _suspects(model)]
+    tail = [line[:200] for line in error.tracebacks[first].rstrip().splitlines()[-_TRACEBACK_LINES:]]
+    lines += [f"rank {first}'s traceback, last lines:", *(f"  {line}" for line in tail),
+              f"every rank's whole traceback: {f.name}"]
+    return "\n".join(lines)
 
 
 # ------------------------------ Bad input: before any process starts -------------------------
@@ -285,13 +326,18 @@ def _check_inputs(spec: dict, world_sizes: tuple[int, ...]) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return "
                         "the model itself (not a tuple, a state dict or a DDP wrapper built inside)")
+    options = set(inspect.signature(DDP.__init__).parameters) - {"self", "module", "device_ids", "output_device",
+                                                                  "process_group", "device_mesh"}
+    if unknown := sorted(spec["ddp_options"].keys() - options):
+        raise TypeError(f"assert_ddp_equivalent got unknown keyword(s) {unknown}; besides its own it takes "
+                        f"DistributedDataParallel's options: {', '.join(sorted(options))}")
     needed = max(world_sizes) * spec["batch"] * spec["steps"] * spec["accum"]
     size = len(spec["make_data"]())
     if size < needed:
         raise ValueError(f"make_data() returned {size} samples, fewer than max(world_sizes) x batch_size x "
                          f"steps = {needed}: the ranks would train on padded repeats; return at least "
                          f"{needed} samples, or pass smaller world_sizes, batch_size or steps")
-    return model.double()
+    return _without_dropout(model.double()) if spec["disable_dropout"] else model.double()
 
 
 def _check_importable(arg: str, fn: Any) -> None:
@@ -313,7 +359,12 @@ def _check_importable(arg: str, fn: Any) -> None:
 
 
 class PoolError(AssertionError):
-    """A task failed or hung on some rank; the message holds every rank's report."""
+    """A task failed or hung on some rank; the message holds every rank's report, ``tracebacks`` the
+    failed ranks' by rank (a hang: none)."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.tracebacks = tracebacks or {}
 
 
 class WorkerPool:
@@ -355,7 +406,7 @@ class WorkerPool:
         if errors:
             report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
             raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n"
-                            f"{report}")
+                            f"{report}", errors)
         return [replies[r][1] for r in range(self.world)]
 
     def close(self) -> None:

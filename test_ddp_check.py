@@ -135,9 +135,76 @@ def slow_on_rank_one() -> nn.Module:
     return SlowOnRankOne()
 
 
+class TalliesItsInputs(nn.Module):
+    """A buffer that sums the inputs it saw and never touches the output: under DDP the parameters
+    agree with one process, and only the buffers show that the replicas do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+        self.register_buffer("seen", torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.detach().sum(0)
+        return self.linear(x)
+
+
+def tallies_its_inputs() -> nn.Module:
+    return TalliesItsInputs()
+
+
+class DivergesAtTheThirdStep(nn.Module):
+    """Under DDP only, its third forward is 0.1% off: only a check of every step sees it (steps=3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(5, 3), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        off = self.calls == 3 and distributed.get_world_size() > 1
+        return self.linear(x) * (1.001 if off else 1.0)
+
+
+def diverges_at_the_third_step() -> nn.Module:
+    return DivergesAtTheThirdStep()
+
+
+def deep_batchnorm() -> nn.Module:
+    """20 BatchNorm layers, as resnet18 has."""
+    return nn.Sequential(*[m for _ in range(20) for m in (nn.Linear(5, 5), nn.BatchNorm1d(5))], nn.Linear(5, 3))
+
+
+class AttentionDropoutOnly(nn.Module):
+    """Dropout inside nn.MultiheadAttention only (a float attribute, no nn.Dropout module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.head = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attention(x, x, x)[0].mean(1))
+
+
+def attention_dropout_only() -> nn.Module:
+    return AttentionDropoutOnly()
+
+
+def gpt_like() -> nn.Module:
+    """Two pre-norm transformer blocks with dropout 0.1 everywhere, as GPT-2 has by default."""
+    return nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        8, nhead=2, dim_feedforward=16, dropout=0.1, batch_first=True, norm_first=True), 2), nn.Flatten(),
+        nn.Linear(56, 3))
+
+
 def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+def scaled_under_ddp(factor: float, model: nn.Module, batch) -> torch.Tensor:
+    """The loss times ``factor`` on the ranks only: a divergence of exactly that relative size."""
+    return cross_entropy(model, batch) * (factor if distributed.get_world_size() > 1 else 1.0)
 
 
 def summed_cross_entropy(model: nn.Module, batch) -> torch.Tensor:
@@ -186,18 +253,56 @@ def failure(*args, **kwargs) -> str:
 def test_batchnorm_is_named_with_its_module_and_type():
     message = failure(batchnorm_mlp, vectors, cross_entropy, world_sizes=(2,))
     assert "world size 2, step 1, the gradient of `" in message
-    assert "BatchNorm module `1` (BatchNorm1d)" in message and "SyncBatchNorm" in message
+    assert "BatchNorm in `1` (BatchNorm1d) normalizes" in message and "SyncBatchNorm" in message
     assert "GroupNorm/LayerNorm" in message
 
 
-def test_dropout_is_named_with_its_probability():
+def test_dropout_is_named_with_its_probability_and_the_keyword_that_checks_the_rest():
     message = failure(dropout_mlp, vectors, cross_entropy, world_sizes=(2,))
-    assert "Dropout module `1` (Dropout) with p=0.5" in message and "disable dropout" in message
+    assert "Dropout in `1` (Dropout, p=0.5)" in message and "pass disable_dropout=True" in message
 
 
 def test_dropout_inside_a_transformer_block_is_named():
     message = failure(functools.partial(TransformerClassifier, 0.3), sequences, cross_entropy, world_sizes=(2,))
-    assert "`block.dropout` (Dropout) with p=0.3" in message
+    assert "`block.dropout` (Dropout, p=0.3)" in message
+
+
+@pytest.mark.parametrize("make_model, make_data", [
+    (dropout_mlp, vectors), (functools.partial(TransformerClassifier, 0.3), sequences),
+    (attention_dropout_only, sequences), (gpt_like, sequences)])
+def test_disable_dropout_checks_a_model_with_dropout(make_model, make_data):
+    """Every dropout probability 0 for the check, nn.MultiheadAttention's included (its own float)."""
+    failure(make_model, make_data, cross_entropy, world_sizes=(2,))
+    assert_ddp_equivalent(make_model, make_data, cross_entropy, world_sizes=(2,), disable_dropout=True)
+
+
+@pytest.mark.parametrize("make_model, make_data, cause, modules", [
+    (deep_batchnorm, vectors, "BatchNorm in `1` (BatchNorm1d), `3` (BatchNorm1d), `5` (BatchNorm1d) and 17 more",
+     "BatchNorm"),
+    (gpt_like, sequences, "Dropout in `1.layers.0.self_attn` (MultiheadAttention, p=0.1), `1.layers.0.dropout` "
+                          "(Dropout, p=0.1), `1.layers.0.dropout1` (Dropout, p=0.1) and 5 more", "Dropout")])
+def test_a_cause_found_in_many_modules_is_one_paragraph_and_the_report_fits_a_screen(make_model, make_data,
+                                                                                    cause, modules):
+    message = failure(make_model, make_data, cross_entropy, world_sizes=(2,))
+    assert cause in message and message.count(f"{modules} in ") == 1, message
+    assert len(message.splitlines()) <= 10 and max(map(len, message.splitlines())) <= 400, message
+
+
+def test_buffers_are_compared_a_diverging_buffer_fails_while_parameters_agree():
+    message = failure(tallies_its_inputs, vectors, cross_entropy, world_sizes=(2,))
+    assert "world size 2, step 1, `seen` after the optimizer step" in message, message
+
+
+def test_a_relative_divergence_of_1e5_is_caught_and_rounding_is_not():
+    message = failure(mlp, vectors, functools.partial(scaled_under_ddp, 1 + 1e-5), world_sizes=(2,))
+    assert "step 1, the gradient of `0.weight`" in message
+    assert float(re.search(r"largest relative error (\S+)", message).group(1)) == pytest.approx(1e-5, rel=0.01)
+    assert_ddp_equivalent(mlp, vectors, functools.partial(scaled_under_ddp, 1 + 1e-12), world_sizes=(2,))
+
+
+def test_every_step_is_compared_a_divergence_at_the_last_step_fails():
+    message = failure(diverges_at_the_third_step, vectors, cross_entropy, world_sizes=(2,), steps=3)
+    assert "world size 2, step 3, `linear.weight` after the optimizer step" in message, message
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -209,9 +314,25 @@ def test_summed_loss_is_named_as_a_world_size_factor(world):
     assert float(errors.group(2)) == pytest.approx(1 - 1 / world, rel=1e-3)  # printed to 3 digits
 
 
-def test_unused_parameters_point_to_find_unused_parameters():
+def test_unused_parameters_name_the_keyword_and_the_tracebacks_come_once_with_a_file():
     message = failure(with_unused, vectors, cross_entropy, world_sizes=(2,))
-    assert "world size 2" in message and "find_unused_parameters=True" in message
+    assert "world size 2" in message
+    assert "pass find_unused_parameters=True to assert_ddp_equivalent" in message  # ours, not torch's text
+    assert message.count("Traceback") == 0 and message.count("rank 0's traceback, last lines:") == 1, message
+    assert len(message.splitlines()) <= 15, message
+    path = re.search(r"every rank's whole traceback: (\S+)", message).group(1)
+    full = open(path).read()
+    assert "--- rank 0:" in full and "--- rank 1:" in full and full.count("Traceback") == 2
+
+
+def test_ddp_options_reach_every_ranks_ddp():
+    assert_ddp_equivalent(with_unused, vectors, cross_entropy, world_sizes=(2, 3), find_unused_parameters=True)
+    assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,), broadcast_buffers=False, static_graph=True)
+
+
+def test_an_unknown_ddp_option_is_rejected_naming_it():
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['find_unused_params'\].*find_unused_parameters"):
+        assert_ddp_equivalent(with_unused, vectors, cross_entropy, find_unused_params=True)
 
 
 def test_replicas_that_drift_apart_are_named():
