@@ -142,14 +142,13 @@ def min_ddp_trainer(device: torch.device, steps: int, allreduce: str) -> Callabl
                    for data in (as_pairs(bench_data(BATCH * world * n)) for n in (WARMUP, steps)))
     quiet = contextlib.redirect_stdout(io.StringIO())  # the metric lines are part of the cost, not the output
     with quiet:
-        min_ddp.train_epoch(ddp_model, warm, optimizer, argparse.Namespace(grad_accum=1, log_every=10**9), 0)
+        min_ddp.train_epoch(ddp_model, warm, optimizer, log_every=10**9)
 
     def epoch(log_every: int) -> float:
-        args = argparse.Namespace(grad_accum=1, log_every=log_every)
         dist.barrier()
         start = time.perf_counter()
         with quiet:
-            min_ddp.train_epoch(ddp_model, timed, optimizer, args, 1)
+            min_ddp.train_epoch(ddp_model, timed, optimizer, log_every=log_every, epoch=1)
         return BATCH * world * steps / dist.reduce(time.perf_counter() - start, "max").item()
     return epoch
 

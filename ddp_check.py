@@ -46,7 +46,7 @@ from torch.utils.data.dataloader import default_collate
 
 import distributed
 
-__all__ = ["assert_ddp_equivalent", "worker_pools", "PoolError", "TIMEOUT_S"]
+__all__ = ["assert_ddp_equivalent", "check_equivalence", "worker_pools", "WorkerPools", "PoolError", "TIMEOUT_S"]
 
 TIMEOUT_S = 60.0            # a call that takes longer on some rank is a hang: its pool is restarted
 _GROUP_TIMEOUT_S = 30.0     # a collective stuck this long fails inside the ranks too
@@ -370,16 +370,16 @@ class PoolError(AssertionError):
 class WorkerPool:
     """``world`` real processes in one gloo group, each serving tasks over a pipe, one thread each.
 
-    Started through launch()'s own machinery (distributed._Workers): the workers die with this
-    process, and nothing listens on the network.
+    Started as launch() starts its workers (distributed.start_workers): they die with this process,
+    and nothing listens on the network.
     """
 
     def __init__(self, world: int):
         self.world = world
         pipes = [mp.get_context("spawn").Pipe() for _ in range(world)]
         self.conns = [parent for parent, _ in pipes]
-        self.workers = distributed._Workers(_serve, world, ([child for _, child in pipes],),
-                                            env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        self.workers = distributed.start_workers(_serve, world, [child for _, child in pipes],
+                                                 env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         for _, child in pipes:
             child.close()
 

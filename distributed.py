@@ -1,15 +1,30 @@
 """Data-parallel training in one file: copy it next to your training script.
 
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
     import distributed
 
-    def main_worker(local_rank: int, world_size: int, args) -> None:
+    def main_worker(local_rank: int, world_size: int, epochs: int) -> None:
         device = distributed.init_process_group(local_rank, world_size)
-        sampler = distributed.data_sampler(dataset, distributed.get_world_size() > 1, shuffle=True)
-        ...                        # DDP(model), sampler.set_epoch(epoch), distributed.reduce(...)
+        torch.manual_seed(0)                       # the same data and initial weights on every rank
+        data = TensorDataset(torch.randn(1024, 8), torch.randn(1024, 1))
+        model = torch.nn.Linear(8, 1).to(device)
+        ddp = DDP(model) if distributed.get_world_size() > 1 else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sampler = distributed.data_sampler(data, True, shuffle=True)  # this rank's share (alone: all)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)               # a new shuffle every epoch
+            for x, y in DataLoader(data, batch_size=32, sampler=sampler):
+                loss = torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+                optimizer.zero_grad()
+                loss.backward()                    # DDP averages the gradients over the ranks here
+                optimizer.step()
+            distributed.print_primary(f"epoch {epoch}: last loss {distributed.reduce(loss, 'mean').item():.4f}")
         distributed.cleanup()
 
     if __name__ == "__main__":
-        distributed.launch(main_worker, args)
+        distributed.launch(main_worker, 2)         # settings as arguments: workers re-import this file
 
 The same script runs unchanged as
     python train.py                                  # one process per visible GPU, else 1 on CPU
@@ -18,7 +33,9 @@ The same script runs unchanged as
     srun -n N python train.py                        # SLURM
 
 Sections, in the order a script uses them: launching, the process group, data, collectives,
-checkpoints. Standard library and torch only (2.8 or newer); no module-level state.
+checkpoints; then the internals they rely on, in the same order; last, the local launcher's
+supervisor (the processes launch() starts). Standard library and torch only (2.8 or newer); no
+module-level state.
 """
 from __future__ import annotations
 
@@ -28,6 +45,7 @@ import ctypes
 import datetime
 import errno
 import gc
+import io
 import multiprocessing.connection
 import multiprocessing.util
 import os
@@ -51,7 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
-    "launch", "launch_mode", "WorkerFailed",
+    "launch", "launch_mode", "WorkerFailed", "start_workers",
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup", "expand_hostlist",
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
@@ -63,7 +81,7 @@ __all__ = [
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
-# ------------------------------ Launching -----------------------------------------------------
+# ------------------------------ Launching ----------------------------------------------------
 def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
     """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
 
@@ -86,7 +104,7 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) ->
         return
     _check_spawnable(worker, args)
     # Exit order matters: the workers are stopped before a SIGTERM is delivered again.
-    with _sigterm_as_interrupt(), contextlib.closing(_Workers(worker, nprocs, args)) as workers:
+    with _sigterm_as_interrupt(), contextlib.closing(start_workers(worker, nprocs, *args)) as workers:
         workers.join()
 
 
@@ -103,346 +121,16 @@ class WorkerFailed(RuntimeError):
         self.rank = rank
 
 
-# Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
-_INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
+def start_workers(worker: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None) -> _Workers:
+    """Start ``worker(local_rank, nprocs, *args)`` in ``nprocs`` local processes and return at once:
+    launch()'s own start, for tools that keep ranks running (ddp_check's pools). ``env`` adds to each
+    worker's environment. The handle's ``join()`` waits and raises the root cause of the first
+    failure, ``close()`` stops every worker (SIGTERM, then SIGKILL), ``processes`` are theirs."""
+    _resolve_nprocs(nprocs, 0)  # an integer >= 1
+    return _Workers(worker, nprocs, args, env)
 
 
-class _Launcher(NamedTuple):
-    mode: str  # "torchrun" (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK), "spawn", "slurm"
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-def _launcher_env() -> _Launcher | None:
-    """The launcher's view of this process, validated; None outside any launcher."""
-    env = os.environ
-    present = [v for v in _TORCHRUN_VARS if v in env]
-    if present:
-        if missing := [v for v in _TORCHRUN_VARS if v not in env]:
-            raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
-                               f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
-        mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
-        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
-    elif all(v in env for v in _SLURM_VARS) and _in_slurm_step():
-        mode, rank, local = "slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
-        world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-    else:
-        return None
-    if world < 1 or not 0 <= rank < world or local < 0:
-        raise ValueError(f"inconsistent {mode} environment: rank={rank}, local_rank={local}, world_size="
-                         f"{world}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0")
-    return _Launcher(mode, rank, local, world)
-
-
-# Steps that are not srun's tasks: the sbatch script (4294967294, or 4294967291 since SLURM 20.11), the
-# extern step (4294967292) and salloc's shell under LaunchParameters=use_interactive_step (4294967290).
-_NOT_RANK_STEPS = ("batch", "extern", "interactive", "4294967294", "4294967292", "4294967291", "4294967290")
-
-
-def _in_slurm_step() -> bool:
-    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
-    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
-    return step is not None and step not in _NOT_RANK_STEPS
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got: {os.environ[name]!r}") from None
-
-
-def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
-    """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
-    if nprocs is None:
-        return max(gpus, 1)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch: nprocs must be an integer >= 1, got: {nprocs!r}")
-    if gpus and nprocs > gpus:
-        raise ValueError(f"launch: nprocs={nprocs} but only {gpus} GPU(s) are visible; use nprocs <= {gpus}, "
-                         "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
-    return nprocs
-
-
-def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
-    """Fail before any process starts when spawn could not run ``worker`` in a fresh interpreter."""
-    try:
-        pickle.dumps((worker, args))
-    except Exception as e:
-        raise TypeError(
-            f"launch: the worker {getattr(worker, '__qualname__', worker)!r} or its arguments cannot "
-            "be pickled, and spawned processes receive them by pickling; define the worker at the "
-            "top level of a module (not a lambda or nested function) and pass picklable arguments"
-        ) from e
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main_file is None:
-        if getattr(worker, "__module__", None) == "__main__":
-            raise RuntimeError("launch: the worker is defined in an interactive session or `python -c`, "
-                               "which spawned processes cannot import; define it in a .py file")
-    elif not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
-        raise RuntimeError(f"launch: the main script is {main_file!r}, not a file, and every spawned process "
-                           "runs the main script again from its file; save it as a .py file and run that")
-    elif main_file.endswith(".py") and not _has_main_guard(main_file):
-        raise RuntimeError(f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
-                           "process imports it again and would launch again. Put launch() under the guard")
-
-
-def _has_main_guard(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return True  # cannot tell: let spawn itself report the problem
-    tests = (ast.unparse(node.test) for node in tree.body if isinstance(node, ast.If))
-    return any("__name__" in test and "__main__" in test for test in tests)
-
-
-class _Workers:
-    """The processes of one local job started by launch(). Not torch.multiprocessing.spawn, which
-    leaves workers running when the parent alone gets SIGINT or SIGKILL and reports whichever
-    failure it sees first, often a collateral "connection closed". ``env`` adds to every worker's."""
-
-    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
-        self.dir = tempfile.mkdtemp(prefix="distributed-py-")
-        self.processes: list[mp.Process] = []
-        try:
-            init_method, self.store = _local_rendezvous(self.dir)
-            ctx, threads = _start_context(), _threads_per_process(nprocs)
-            for rank in range(nprocs):
-                rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
-                err_file = os.path.join(self.dir, f"rank{rank}.err")
-                p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
-                                args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
-                p.start()
-                self.processes.append(p)
-        except BaseException:
-            self.close()
-            raise
-
-    def join(self) -> None:
-        """Wait for every rank; on the first failure stop the rest and raise the root cause."""
-        pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
-        while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending)):
-                rank = pending.pop(sentinel)
-                self.processes[rank].join()
-                if self.processes[rank].exitcode != 0:
-                    seen_at = time.time()
-                    _terminate(self.processes)
-                    raise self._root_cause(rank, seen_at, killed_at=time.time())
-
-    def close(self) -> None:
-        """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
-        _terminate(self.processes)
-        self.store = None
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _root_cause(self, first: int, seen_at: float, killed_at: float) -> BaseException:
-        """The failure to report: every rank that raised before we stopped the job competes."""
-        failures = []  # (collateral?, time, rank, report)
-        for rank, p in enumerate(self.processes):
-            report = _read_error_file(os.path.join(self.dir, f"rank{rank}.err"))
-            if report is not None and report["time"] <= killed_at:
-                failures.append((_looks_collateral(report["traceback"]), report["time"], rank, report))
-            elif rank == first:
-                failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
-        # A rank that raised or died first is the root cause; errors that only say a peer went
-        # away ("connection closed") are what the *other* ranks see, so they rank last.
-        _, _, rank, report = min(failures, key=lambda f: f[:3])
-        return _exception_from_report(rank, report)
-
-
-def _start_context() -> Any:
-    """forkserver: it imports torch once and forks every worker from that clean state, and each worker
-    imports the main script afresh, as mp.spawn's do, so what a worker sees never depends on whether
-    the launcher had threads (numpy's, OpenMP's). Forking the launcher itself would carry over its
-    main block's changes only while it is one thread: a child forked after OpenMP started its threads
-    hangs at its first parallel op (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", __name__])
-    return ctx
-
-
-def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
-                  env: dict[str, str], err_file: str, parent_pid: int) -> None:
-    """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
-    gc.freeze()  # torch's objects live as long as this process: spare every full collection them
-    # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
-    os.environ.update(env)
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    try:
-        worker(rank, nprocs, *args)
-    except Exception as e:
-        _write_error_file(err_file, e)
-        # This is the process's main, not library code: the exit code tells the parent to look.
-        raise SystemExit(1) from None
-
-
-def _local_rendezvous(workdir: str) -> tuple[str, Any]:
-    """(init_method, a store the parent keeps alive or None): a FileStore in the job's private
-    directory, so no port to race for; with an explicit MASTER_PORT, a TCPStore held by the parent."""
-    port = os.environ.get("MASTER_PORT")
-    if not port:
-        return f"file://{os.path.join(workdir, 'store')}", None
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False)
-    except (RuntimeError, ValueError) as e:
-        raise RuntimeError(
-            f"launch: cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({e}); the port is "
-            "busy or invalid: unset MASTER_PORT to rendezvous without a port, or choose a free one"
-        ) from e
-    return "env://", store
-
-
-def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[str, str]:
-    """What a spawned rank sees: torchrun's variables, so user code reading RANK etc. just works."""
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-           "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": str(threads),
-           _INIT_METHOD_ENV: init_method}
-    if init_method == "env://":  # explicit MASTER_PORT: connect to the store the parent holds
-        env |= {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    if sys.platform == "linux":  # a local job's connections (gloo's, NCCL's bootstrap) stay on loopback
-        env |= {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
-    return env
-
-
-def _threads_per_process(nprocs: int) -> int:
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(int(os.environ["OMP_NUM_THREADS"]), 1)
-    return max(_usable_cpus() // nprocs, 1)
-
-
-def _usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _die_with_parent(launcher_pid: int | None = None) -> None:
-    """SIGKILL this process when its launcher dies: the parent-death signal when the launcher is the
-    parent (torchrun's agent); a worker of launch()'s forkserver, which outlives the launcher while
-    any worker holds its "alive" pipe, also watches the launcher's pidfd."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if launcher_pid in (None, os.getppid()):
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-        return
-    try:
-        pidfd = os.pidfd_open(launcher_pid)
-    except ProcessLookupError:  # already gone
-        os.kill(os.getpid(), signal.SIGKILL)
-    except (AttributeError, OSError):
-        return  # no pidfd (old kernel): the parent-death signal alone
-    threading.Thread(target=_kill_self_when_readable, args=(pidfd,), name="exit-with-launcher",
-                     daemon=True).start()
-
-
-def _kill_self_when_readable(fd: int) -> None:
-    select.select([fd], [], [])  # a pidfd becomes readable when its process exits
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """While the workers run, SIGTERM is a KeyboardInterrupt so they are stopped first; then it is
-    delivered again, so the launcher still dies of SIGTERM (exit code 143) as the sender expects."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be installed in the main thread
-        return
-    received = []
-
-    def on_term(signum: int, frame: Any) -> None:
-        received.append(signum)
-        if len(received) == 1:  # a second SIGTERM (GNU timeout signals us, then our group) must not
-            raise KeyboardInterrupt  # interrupt the cleanup the first one started
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if received:  # dying of a signal skips interpreter exit, which removes the forkserver's socket dir
-            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
-            signal.raise_signal(signal.SIGTERM)
-
-
-def _terminate(processes: list) -> None:
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
-    deadline = time.monotonic() + _GRACE_S
-    for p in alive:
-        p.join(max(deadline - time.monotonic(), 0))
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def _write_error_file(path: str, error: BaseException) -> None:
-    report = {"time": time.time(), "traceback": traceback.format_exc(),
-              "type": type(error).__qualname__, "message": str(error)}
-    with contextlib.suppress(Exception):
-        pickle.loads(pickle.dumps(error))
-        report["exception"] = pickle.dumps(error)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(report, f)
-    os.replace(tmp, path)  # the parent never reads half a report
-
-
-def _read_error_file(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return None
-
-
-def _exit_report(rank: int, exitcode: int) -> dict:
-    if exitcode >= 0:
-        return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
-    name = signal.Signals(-exitcode).name
-    hint = {"SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
-            "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank "
-                       "is probably stuck; else a crash in C++: see the rank's stderr)"}.get(name, "")
-    return {"message": f"rank {rank} was killed by signal {name}{hint}"}
-
-
-def _looks_collateral(tb: str) -> bool:
-    """A peer vanished or timed out: what the surviving ranks see when another rank fails first."""
-    return bool(re.search(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|"
-                          r"Socket Timeout|Timed out waiting|timed out|peer rank \d+ \(pid \d+\) exited", tb))
-
-
-def _exception_from_report(rank: int, report: dict) -> BaseException:
-    if "traceback" not in report:
-        return WorkerFailed(report["message"], rank)
-    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
-    if re.search(r"Timed out|timed out|Timeout", report["traceback"]):
-        note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
-                 " raise it with init_process_group(..., timeout=seconds)).")
-    try:
-        error = pickle.loads(report["exception"])
-    except Exception:
-        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
-    with contextlib.suppress(AttributeError):
-        error.rank = rank
-    error.add_note(note)
-    return error
-
-
-# ------------------------------ The process group ---------------------------------------------
+# ------------------------------ The process group --------------------------------------------
 def init_process_group(local_rank: int, world_size: int, backend: str | None = None,
                        timeout: datetime.timedelta | float | None = None) -> torch.device:
     """Join the job's process group and return this rank's device. Safe to call twice.
@@ -522,96 +210,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def _has_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _device_for(local_rank: int, nccl: bool) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", _gpu_index(local_rank, torch.cuda.device_count(), launch_mode(), nccl))
-    torch.cuda.set_device(device)
-    return device
-
-
-def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
-    """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
-    if local_rank < gpus:
-        return local_rank
-    if not nccl or gpus == 1 and mode == "slurm":  # srun --gpus-per-task=1: each task sees its GPU as cuda:0
-        return local_rank % gpus
-    raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
-                       "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
-                       f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
-                       "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
-
-
-def _slurm_threads() -> int:
-    """A SLURM task's threads: its CPUs (srun -c N), else its share of the CPUs it may use with the
-    other tasks of its node (srun without -c lets every task use every allocated core). A task bound
-    to its own CPUs keeps them all."""
-    if "SLURM_CPUS_PER_TASK" in os.environ:
-        return max(_env_int("SLURM_CPUS_PER_TASK"), 1)
-    cpus = _usable_cpus()
-    node_cpus = _env_int("SLURM_CPUS_ON_NODE") if "SLURM_CPUS_ON_NODE" in os.environ else cpus
-    return max(min(cpus, node_cpus // _slurm_tasks_on_node()), 1)
-
-
-def _slurm_tasks_on_node() -> int:
-    """This node's tasks in the step, from SLURM's per-node counts: "2(x3),1" is 2, 2, 2, 1."""
-    counts = []
-    for item in os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1")).split(","):
-        count, _, repeat = item.partition("(x")
-        counts += [int(count)] * int(repeat.rstrip(")") or 1)
-    node = _env_int("SLURM_NODEID") if "SLURM_NODEID" in os.environ else 0
-    return max(counts[node] if node < len(counts) else 1, 1)
-
-
-def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
-    """init_process_group's init_method= or store= for this launcher."""
-    if env.mode == "spawn":
-        return {"init_method": os.environ[_INIT_METHOD_ENV]}
-    if env.mode == "slurm":  # every task derives the same address and port from its job
-        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-        addr = os.environ.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
-        port = os.environ.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID") % 20000)
-        return {"init_method": f"tcp://{addr}:{port}"}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts and env:// uses the same keys every
-        # attempt: restarted ranks can read the dead attempt's addresses (a prefix per attempt).
-        # https://github.com/pytorch/pytorch/issues/135712
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
-    return {"init_method": "env://"}
-
-
-def _expand_host(item: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if match is None:
-        return [item] if item else []
-    head, tail = item[: match.start()], item[match.end():]
-    out = []
-    for part in match.group(1).split(","):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
-        for n in range(int(lo), int(hi or lo) + 1):
-            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
-    return out
-
-
-def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
-        raise ValueError(f"timeout must be a positive, finite number of seconds or timedelta, got: {timeout!r}")
-    return datetime.timedelta(seconds=seconds)
-
-
-# ------------------------------ Data ----------------------------------------------------------
+# ------------------------------ Data ---------------------------------------------------------
 def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
                  seed: int = 0) -> Sampler | None:
     """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
@@ -635,20 +234,7 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
     return sampler(dataset, world, rank, shuffle=shuffle, seed=seed)
 
 
-class _UnpaddedSampler(DistributedSampler):
-    """DistributedSampler's permutation, every index exactly once across the ranks: it pads to
-    ``total_size`` and checks ``num_samples``, so the unpadded sizes reuse the rest unchanged."""
-
-    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
-        super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
-        self.total_size = len(dataset)
-        self.num_samples = len(range(rank, self.total_size, world))
-
-
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
-_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
-
-
 def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
     """A new tensor holding ``value`` all-reduced over every rank; must be called on all ranks.
 
@@ -706,34 +292,7 @@ def print_ranked(*args: Any, sep: str = " ") -> None:
         print("\n".join(lines), flush=True)
 
 
-def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
-    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        return torch.float64
-    if op == "sum" and dtype == torch.bool:
-        return torch.int64
-    return dtype
-
-
-def _wire_device(backend: str, device: torch.device) -> torch.device:
-    """Where a tensor must be for a collective: nccl moves CUDA tensors only ("cuda": the current GPU)."""
-    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device
-
-
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
-    return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
-
-
-def _all_gather_text(text: str) -> list[str]:
-    """Every rank's string in rank order, as tensors (lengths, then UTF-8 bytes padded to the
-    longest): torch's object collectives pickle through numpy, which torch does not install."""
-    data = list(text.encode())
-    lengths = all_gather(len(data)).tolist()
-    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
-    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
-
-
-# ------------------------------ Checkpoints ---------------------------------------------------
+# ------------------------------ Checkpoints --------------------------------------------------
 def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically; must be called on all ranks.
 
@@ -774,7 +333,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
+        if "GLOBAL" not in str(e):  # no foreign object named: damaged bytes ("Unsupported operand 47")
             raise _corrupt(path, e) from e
         raise pickle.UnpicklingError(
             f"refusing to load {path}: it holds objects other than tensors and plain containers, "
@@ -799,6 +358,235 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+# ============ Internals: what the functions above rely on, in the same order (not the API) =====
+# ------------------------------ Which launcher started this process --------------------------
+# Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
+_INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+# Steps that are not srun's tasks: the sbatch script (4294967294, or 4294967291 since SLURM 20.11), the
+# extern step (4294967292) and salloc's shell under LaunchParameters=use_interactive_step (4294967290).
+_NOT_RANK_STEPS = ("batch", "extern", "interactive", "4294967294", "4294967292", "4294967291", "4294967290")
+
+
+class _Launcher(NamedTuple):
+    mode: str  # "torchrun" (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK), "spawn", "slurm"
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def _launcher_env() -> _Launcher | None:
+    """The launcher's view of this process, validated; None outside any launcher."""
+    env = os.environ
+    present = [v for v in _TORCHRUN_VARS if v in env]
+    if present:
+        if missing := [v for v in _TORCHRUN_VARS if v not in env]:
+            raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
+                               f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
+        mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
+        rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
+    elif all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+        mode, rank, local = "slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
+        world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+    else:
+        return None
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ValueError(f"inconsistent {mode} environment: rank={rank}, local_rank={local}, world_size="
+                         f"{world}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0")
+    return _Launcher(mode, rank, local, world)
+
+
+def _in_slurm_step() -> bool:
+    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    return step is not None and step not in _NOT_RANK_STEPS
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got: {os.environ[name]!r}") from None
+
+
+def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
+    """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
+    if nprocs is None:
+        return max(gpus, 1)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch: nprocs must be an integer >= 1, got: {nprocs!r}")
+    if gpus and nprocs > gpus:
+        raise ValueError(f"launch: nprocs={nprocs} but only {gpus} GPU(s) are visible; use nprocs <= {gpus}, "
+                         "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+    return nprocs
+
+
+def _check_spawnable(worker: Callable[..., Any], args: tuple) -> None:
+    """Fail before any process starts when spawn could not run ``worker`` in a fresh interpreter."""
+    try:
+        pickle.dumps((worker, args))
+    except Exception as e:
+        raise TypeError(
+            f"launch: the worker {getattr(worker, '__qualname__', worker)!r} or its arguments cannot "
+            "be pickled, and spawned processes receive them by pickling; define the worker at the "
+            "top level of a module (not a lambda or nested function) and pass picklable arguments"
+        ) from e
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is None:
+        if getattr(worker, "__module__", None) == "__main__":
+            raise RuntimeError("launch: the worker is defined in an interactive session or `python -c`, "
+                               "which spawned processes cannot import; define it in a .py file")
+    elif not os.path.isfile(main_file):  # `python - < train.py`: "<stdin>", which spawn re-runs by path
+        raise RuntimeError(f"launch: the main script is {main_file!r}, not a file, and every spawned process "
+                           "runs the main script again from its file; save it as a .py file and run that")
+    elif main_file.endswith(".py") and not _has_main_guard(main_file):
+        raise RuntimeError(f"launch: {main_file} has no `if __name__ == \"__main__\":` guard; every spawned "
+                           "process imports it again and would launch again. Put launch() under the guard")
+
+
+def _has_main_guard(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let spawn itself report the problem
+    tests = (ast.unparse(node.test) for node in tree.body if isinstance(node, ast.If))
+    return any("__name__" in test and "__main__" in test for test in tests)
+
+
+# ------------------------------ The process group --------------------------------------------
+def _has_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device_for(local_rank: int, nccl: bool) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", _gpu_index(local_rank, torch.cuda.device_count(), launch_mode(), nccl))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
+    """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
+    if local_rank < gpus:
+        return local_rank
+    if not nccl or gpus == 1 and mode == "slurm":  # srun --gpus-per-task=1: each task sees its GPU as cuda:0
+        return local_rank % gpus
+    raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
+                       "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
+                       f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
+                       "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+
+
+def _slurm_threads() -> int:
+    """A SLURM task's threads: its CPUs (srun -c N), else its share of the CPUs it may use with the
+    other tasks of its node (srun without -c lets every task use every allocated core). A task bound
+    to its own CPUs keeps them all."""
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        return max(_env_int("SLURM_CPUS_PER_TASK"), 1)
+    counts = []  # the step's tasks per node, in node order: "2(x3),1" is 2, 2, 2, 1
+    for item in os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1")).split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    node, cpus = int(os.environ.get("SLURM_NODEID", 0)), _usable_cpus()
+    tasks = max(counts[node] if node < len(counts) else 1, 1)
+    return max(min(cpus, int(os.environ.get("SLURM_CPUS_ON_NODE", cpus)) // tasks), 1)
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
+    """init_process_group's init_method= or store= for this launcher."""
+    if env.mode == "spawn":
+        return {"init_method": os.environ[_INIT_METHOD_ENV]}
+    if env.mode == "slurm":  # every task derives the same address and port from its job
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+        addr = os.environ.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
+        port = os.environ.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID") % 20000)
+        return {"init_method": f"tcp://{addr}:{port}"}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts and env:// uses the same keys every
+        # attempt: restarted ranks can read the dead attempt's addresses (a prefix per attempt).
+        # https://github.com/pytorch/pytorch/issues/135712
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
+    return {"init_method": "env://"}
+
+
+def _expand_host(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if match is None:
+        return [item] if item else []
+    head, tail = item[: match.start()], item[match.end():]
+    out = []
+    for part in match.group(1).split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
+        for n in range(int(lo), int(hi or lo) + 1):
+            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
+    return out
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+        raise ValueError(f"timeout must be a positive, finite number of seconds or timedelta, got: {timeout!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+# ------------------------------ Data ---------------------------------------------------------
+class _UnpaddedSampler(DistributedSampler):
+    """DistributedSampler's permutation, every index exactly once across the ranks: it pads to
+    ``total_size`` and checks ``num_samples``, so the unpadded sizes reuse the rest unchanged."""
+
+    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
+        super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, world))
+
+
+# ------------------------------ Collectives --------------------------------------------------
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    if op == "sum" and dtype == torch.bool:
+        return torch.int64
+    return dtype
+
+
+def _wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective: nccl moves CUDA tensors only ("cuda": the current GPU)."""
+    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
+    return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
+
+
+def _all_gather_text(text: str) -> list[str]:
+    """Every rank's string in rank order, as tensors (lengths, then UTF-8 bytes padded to the
+    longest): torch's object collectives pickle through numpy, which torch does not install."""
+    data = list(text.encode())
+    lengths = all_gather(len(data)).tolist()
+    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
+
+
+# ------------------------------ Checkpoints --------------------------------------------------
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _WEIGHTS_ONLY_LEAVES = (torch.Tensor, int, float, complex, str, bytes, bool, type(None),
                         torch.dtype, torch.device, torch.Size)
@@ -847,3 +635,235 @@ def _atomic_save(state: dict, path: str) -> None:
 def _corrupt(path: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
+
+
+# ============ The local launcher's supervisor: the processes launch() starts, their signals, =====
+# ============ their deaths and their error reports (torchrun and srun do this themselves) =======
+_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
+
+
+class _Workers:
+    """The processes of one local job started by launch(). Not torch.multiprocessing.spawn, which
+    leaves workers running when the parent alone gets SIGINT or SIGKILL and reports whichever
+    failure it sees first, often a collateral "connection closed". ``env`` adds to every worker's."""
+
+    def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
+        self.dir = tempfile.mkdtemp(prefix="distributed-py-")
+        self.processes: list[mp.Process] = []
+        try:
+            init_method, self.store = _local_rendezvous(self.dir)
+            omp = os.environ.get("OMP_NUM_THREADS", "")
+            ctx, threads = _start_context(), max(int(omp) if omp.isdigit() else _usable_cpus() // nprocs, 1)
+            for rank in range(nprocs):
+                rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
+                err_file = os.path.join(self.dir, f"rank{rank}.err")
+                p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
+                                args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
+                p.start()
+                self.processes.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    def join(self) -> None:
+        """Wait for every rank; on the first failure stop the rest and raise the root cause."""
+        pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(sentinel)
+                self.processes[rank].join()
+                if self.processes[rank].exitcode != 0:
+                    seen_at = time.time()
+                    _terminate(self.processes)
+                    raise self._root_cause(rank, seen_at, killed_at=time.time())
+
+    def close(self) -> None:
+        """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
+        _terminate(self.processes)
+        self.store = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _root_cause(self, first: int, seen_at: float, killed_at: float) -> BaseException:
+        """The failure to report: every rank that raised before we stopped the job competes."""
+        failures = []  # (collateral?, time, rank, report)
+        for rank, p in enumerate(self.processes):
+            report = None
+            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), \
+                    open(os.path.join(self.dir, f"rank{rank}.err"), "rb") as f:
+                report = pickle.load(f)
+            if report is not None and report["time"] <= killed_at:
+                failures.append((_looks_collateral(report["traceback"]), report["time"], rank, report))
+            elif rank == first:
+                failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
+        # A rank that raised or died first is the root cause; errors that only say a peer went
+        # away ("connection closed") are what the *other* ranks see, so they rank last.
+        _, _, rank, report = min(failures, key=lambda f: f[:3])
+        return _exception_from_report(rank, report)
+
+
+def _start_context() -> Any:
+    """forkserver: it imports torch once and forks every worker from that clean state; each imports the
+    main script afresh, as mp.spawn's do, whatever threads the launcher has. (A fork of a launcher whose
+    OpenMP threads exist hangs at its first parallel op: https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035)"""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    return ctx
+
+
+def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
+                  env: dict[str, str], err_file: str, parent_pid: int) -> None:
+    """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
+    gc.freeze()  # torch's objects live as long as this process: spare every full collection them
+    # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        worker(rank, nprocs, *args)
+    except Exception as e:
+        report = {"time": time.time(), "traceback": traceback.format_exc(),
+                  "type": type(e).__qualname__, "message": str(e)}
+        with contextlib.suppress(Exception):
+            pickle.loads(pickle.dumps(e))
+            report["exception"] = pickle.dumps(e)
+        with open(f"{err_file}.tmp", "wb") as f:
+            pickle.dump(report, f)
+        os.replace(f"{err_file}.tmp", err_file)  # the parent never reads half a report
+        # This is the process's main, not library code: the exit code tells the parent to look.
+        raise SystemExit(1) from None
+
+
+def _local_rendezvous(workdir: str) -> tuple[str, Any]:
+    """(init_method, a store the parent keeps alive or None): a FileStore in the job's private
+    directory, so no port to race for; with an explicit MASTER_PORT, a TCPStore held by the parent."""
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        return f"file://{os.path.join(workdir, 'store')}", None
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False)
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            f"launch: cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({e}); the port is "
+            "busy or invalid: unset MASTER_PORT to rendezvous without a port, or choose a free one"
+        ) from e
+    return "env://", store
+
+
+def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[str, str]:
+    """What a spawned rank sees: torchrun's variables, so user code reading RANK etc. just works."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+           "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": str(threads),
+           _INIT_METHOD_ENV: init_method}
+    if init_method == "env://":  # explicit MASTER_PORT: connect to the store the parent holds
+        env |= {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if sys.platform == "linux":  # a local job's connections (gloo's, NCCL's bootstrap) stay on loopback
+        env |= {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
+    return env
+
+
+def _die_with_parent(launcher_pid: int | None = None) -> None:
+    """SIGKILL this process when its launcher dies: the parent-death signal when the launcher is the
+    parent (torchrun's agent); a worker of launch()'s forkserver, which outlives the launcher while
+    any worker holds its "alive" pipe, also watches the launcher's pidfd."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if launcher_pid in (None, os.getppid()):
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # already gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return  # no pidfd (old kernel): the parent-death signal alone
+    threading.Thread(target=_kill_self_when_readable, args=(pidfd,), name="exit-with-launcher",
+                     daemon=True).start()
+
+
+def _kill_self_when_readable(fd: int) -> None:
+    select.select([fd], [], [])  # a pidfd becomes readable when its process exits
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the workers run, SIGTERM is a KeyboardInterrupt so they are stopped first; then it is
+    delivered again, so the launcher still dies of SIGTERM (exit code 143) as the sender expects."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed in the main thread
+        return
+    received = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if len(received) == 1:  # a second SIGTERM (GNU timeout signals us, then our group) must not
+            raise KeyboardInterrupt  # interrupt the cleanup the first one started
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if received:  # dying of a signal skips interpreter exit, which removes the forkserver's socket dir
+            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
+            signal.raise_signal(signal.SIGTERM)
+
+
+def _terminate(processes: list) -> None:
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
+    deadline = time.monotonic() + _GRACE_S
+    for p in alive:
+        p.join(max(deadline - time.monotonic(), 0))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _exit_report(rank: int, exitcode: int) -> dict:
+    if exitcode >= 0:
+        return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
+    name = signal.Signals(-exitcode).name
+    hint = {"SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
+            "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank "
+                       "is probably stuck; else a crash in C++: see the rank's stderr)"}.get(name, "")
+    return {"message": f"rank {rank} was killed by signal {name}{hint}"}
+
+
+def _looks_collateral(tb: str) -> bool:
+    """A peer vanished or timed out: what the surviving ranks see when another rank fails first."""
+    return bool(re.search(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|"
+                          r"Socket Timeout|Timed out waiting|timed out|peer rank \d+ \(pid \d+\) exited", tb))
+
+
+class _ScriptUnpickler(pickle.Unpickler):
+    """Workers know the main script as __mp_main__: ``except MyError`` around launch() catches theirs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class("__main__" if module == "__mp_main__" else module, name)
+
+
+def _exception_from_report(rank: int, report: dict) -> BaseException:
+    if "traceback" not in report:
+        return WorkerFailed(report["message"], rank)
+    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
+    if re.search(r"Timed out|timed out|Timeout", report["traceback"]):
+        note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
+                 " raise it with init_process_group(..., timeout=seconds)).")
+    try:
+        error = _ScriptUnpickler(io.BytesIO(report["exception"])).load()
+    except Exception:
+        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
+    with contextlib.suppress(AttributeError):
+        error.rank = rank
+    error.add_note(note)
+    return error

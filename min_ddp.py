@@ -14,20 +14,31 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
+import warnings
 
-import torch
+# torch warns at import that numpy is missing; nothing here needs it. PYTHONWARNINGS: the same for the
+# processes launch() starts, whose forkserver imports torch before this file.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
+os.environ.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+import torch  # noqa: E402
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import distributed
-from shared_memory_allreduce import shared_memory_allreduce  # optional: delete to keep gloo's all-reduce
+from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
 
 FEATURES, CLASSES, TRAIN_SIZE, VAL_SIZE = 32, 10, 16384, 4096
 DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
+LOSS_SUM, CORRECT, SAMPLES = range(3)  # a metrics tensor: sums over samples (never means), summable over ranks
+
+
+class SettingsError(ValueError):
+    """A setting this run cannot use: reported in one line, without a traceback."""
 
 
 def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -48,6 +59,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     train_set, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # A sampler in a world of one too: then every world size reads the same global order.
     train_sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)
+    if args.batch_size > len(train_sampler):
+        raise SettingsError(f"--batch-size {args.batch_size} is more than each process's share of the training data "
+                            f"({len(train_sampler)} samples at world size {distributed.get_world_size()}): an epoch "
+                            f"would be one short step; use --batch-size {len(train_sampler)} or less")
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
     val_sampler = distributed.data_sampler(val_set, True, shuffle=False, pad=False)  # no duplicates
     val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler)
@@ -58,7 +73,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     started, samples = time.perf_counter(), 0
     for epoch in range(first_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # a new shuffle every epoch
-        train_loss = train_epoch(ddp_model, train_loader, optimizer, args, epoch)
+        train_loss = train_epoch(ddp_model, train_loader, optimizer, grad_accum=args.grad_accum,
+                                 log_every=args.log_every, epoch=epoch)
         samples += len(train_set)
         val_loss, correct, count = evaluate(model, val_loader)
         distributed.print_primary(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc "
@@ -70,9 +86,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         val_loss, correct, count = evaluate(model, val_loader)
     if args.save_model:
         distributed.save_checkpoint(model.state_dict(), args.save_model)
+    speed = f" samples_per_s={samples / (time.perf_counter() - started):.0f}" if samples else ""  # none trained
     distributed.print_primary(f"done: world={distributed.get_world_size()} epochs={args.epochs} train_loss="
-                              f"{train_loss:.4f} val_loss={val_loss:.4f} val_acc={correct / count:.4f} "
-                              f"samples_per_s={samples / (time.perf_counter() - started):.0f}")
+                              f"{train_loss:.4f} val_loss={val_loss:.4f} val_acc={correct / count:.4f}{speed}")
 
 
 def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:
@@ -99,19 +115,20 @@ def make_dataset(split: str, dtype: torch.dtype = torch.float32) -> list[tuple[t
     return list(zip(inputs.to(dtype), labels.tolist()))
 
 
-def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
-                args: argparse.Namespace, epoch: int) -> float:
-    """One pass over this rank's shard; returns the global mean training loss of the epoch."""
+def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, *, grad_accum: int = 1,
+                log_every: int = 100, epoch: int = 0) -> float:
+    """One pass over this rank's shard, an optimizer step every ``grad_accum`` batches, metrics every
+    ``log_every`` steps; returns the global mean training loss of the epoch."""
     model.train()
     device = next(model.parameters()).device
-    stats = torch.zeros(3, dtype=torch.float64, device=device)  # this rank's loss sum, correct, samples
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # this rank's LOSS_SUM, CORRECT, SAMPLES
     epoch_stats = torch.zeros_like(stats)  # the same, summed over every rank and the whole epoch
     steps = len(loader)
     for step, (x, y) in enumerate(loader):
         x, y = x.to(device), y.to(device)
         # A group of micro-batches adds up locally and all-reduces at its last (the epoch's last may be short).
-        micro_batches = min(args.grad_accum, steps - step // args.grad_accum * args.grad_accum)
-        syncing = (step + 1) % args.grad_accum == 0 or step + 1 == steps
+        micro_batches = min(grad_accum, steps - step // grad_accum * grad_accum)
+        syncing = (step + 1) % grad_accum == 0 or step + 1 == steps
         with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
             logits = model(x)
             loss = F.cross_entropy(logits, y)
@@ -119,12 +136,12 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
         if syncing:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        stats[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum()])
-        stats[2] += len(y)  # a Python number: no copy to the device, no wait for it
-        if (step + 1) % args.log_every == 0 or step + 1 == steps:
+        stats[LOSS_SUM:SAMPLES] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum()])
+        stats[SAMPLES] += len(y)  # a Python number: no copy to the device, no wait for it
+        if (step + 1) % log_every == 0 or step + 1 == steps:
             epoch_stats += log_metrics(stats, f"epoch {epoch + 1} step {step + 1}/{steps}")
             stats.zero_()
-    return (epoch_stats[0] / epoch_stats[2]).item()  # loss sum / samples
+    return (epoch_stats[LOSS_SUM] / epoch_stats[SAMPLES]).item()
 
 
 def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
@@ -147,14 +164,14 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
     module: ranks may run different batch counts, and a DDP forward could start a collective others skip."""
     model.eval()
     device = next(model.parameters()).device
-    stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # LOSS_SUM, CORRECT, SAMPLES
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
         # Per-sample losses summed in float64: the total does not depend on how samples are batched.
-        stats[:2] += torch.stack([F.cross_entropy(logits, y, reduction="none").double().sum(),
-                                  (logits.argmax(1) == y).sum()])
-        stats[2] += len(y)
+        stats[LOSS_SUM:SAMPLES] += torch.stack([F.cross_entropy(logits, y, reduction="none").double().sum(),
+                                                (logits.argmax(1) == y).sum()])
+        stats[SAMPLES] += len(y)
     loss_sum, correct, count = distributed.reduce(stats).tolist()  # sums and counts, never means
     return loss_sum / count, correct, count
 
@@ -181,17 +198,17 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     if state is None:
         return 0, float("nan")
     if missing := {"model", "optimizer", "epochs_run", "train_loss", "rng", "settings"} - state.keys():
-        raise ValueError(f"--snapshot {args.snapshot} is not a min_ddp snapshot (missing: {sorted(missing)})")
+        raise SettingsError(f"--snapshot {args.snapshot} is not a min_ddp snapshot (missing: {sorted(missing)})")
     saved, now = state["settings"], resume_settings(args)
     for key, hint in (("seed", "--seed"), ("global_batch", "--batch-size x processes x --grad-accum")):
         if saved[key] != now[key]:
-            raise ValueError(f"--snapshot {args.snapshot} has {key}={saved[key]} (world size {saved['world_size']}), "
+            raise SettingsError(f"--snapshot {args.snapshot} has {key}={saved[key]} (world size {saved['world_size']}), "
                              f"this run has {key}={now[key]}: keep {hint} as saved, or use another --snapshot path")
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise ValueError(f"--snapshot {args.snapshot} holds a different model or optimizer than this "
+        raise SettingsError(f"--snapshot {args.snapshot} holds a different model or optimizer than this "
                          f"script builds ({e}); use another --snapshot path") from e
     rng = state["rng"]  # load_checkpoint maps tensors to this rank's device; set_rng_state takes CPU bytes
     torch.set_rng_state(rng[distributed.get_rank() if len(rng) == distributed.get_world_size() else 0].cpu())
@@ -201,12 +218,12 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
 # --- Settings: argparse flags, optionally on top of a JSON file -------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", type=int, help="local processes (default: visible GPUs, else 1)")
-    p.add_argument("--epochs", type=int, default=5)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--nprocs", type=int, help="local processes; None: one per visible GPU, else 1")
+    p.add_argument("--epochs", type=int, default=5, help="passes over the training data")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (SGD, momentum 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--log-every", type=int, default=100, help="steps between metric lines")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model and data")
@@ -220,13 +237,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config:
         p.set_defaults(**read_config(args.config, p))
         args = p.parse_args(argv)  # the command line wins over the file
-    for name in ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "save_every"):
-        if (value := getattr(args, name)) is not None and not value > 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0, got: {value}")
+    if problem := nonpositive(args):
+        p.error(problem)
     if args.print_config:  # like --help: print, then exit
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("config", "print_config")}, indent=2))
         p.exit()
     return args
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's line breaks and shows every flag's default."""
 
 
 def writable(path: str) -> str:
@@ -249,12 +269,36 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         parser.error(f"--config {path}: {e}")
     known = set(vars(parser.parse_args([]))) - {"config", "print_config"}
-    if not isinstance(settings, dict) or settings.keys() - known:
-        parser.error(f"--config {path}: expected a JSON object with keys among {', '.join(sorted(known))}")
-    # String defaults go through each flag's type, so a bad value is named as on the command line.
+    if not isinstance(settings, dict):
+        parser.error(f"--config {path}: expected a JSON object whose keys are flag names, got: {type(settings).__name__}")
+    if unknown := sorted(settings.keys() - known):
+        parser.error(f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are: {', '.join(sorted(known))}")
+    parser.exit_on_error = False  # each value is parsed as its flag would be; an error names the file
+    for key, value in settings.items():
+        try:
+            problem = nonpositive(parser.parse_args([] if value is None else [f"--{key.replace('_', '-')}", str(value)]))
+        except argparse.ArgumentError as e:
+            problem = str(e)
+        if problem:
+            parser.error(f"--config {path}: {key}={value!r}: {problem}")
+    parser.exit_on_error = True
     return {key: None if value is None else str(value) for key, value in settings.items()}
+
+
+def nonpositive(args: argparse.Namespace) -> str | None:
+    """What is wrong with the first numeric setting that is not > 0, if any."""
+    for name in ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "save_every"):
+        if (value := getattr(args, name)) is not None and not value > 0:
+            return f"--{name.replace('_', '-')} must be > 0, got: {value}"
+    return None
 
 
 if __name__ == "__main__":
     args = parse_args()
-    distributed.launch(main_worker, args, nprocs=args.nprocs)
+    try:
+        distributed.launch(main_worker, args, nprocs=args.nprocs)
+    except SettingsError as e:
+        sys.exit(f"min_ddp: {e}")
+    except KeyboardInterrupt:
+        print("min_ddp: interrupted", file=sys.stderr)
+        sys.exit(130)  # what a shell reports for Ctrl-C

@@ -59,7 +59,11 @@ def shared_memory_allreduce(
     grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     # DDP closes a bucket once it reaches bucket_bytes_cap, so its last parameter may overshoot.
     bucket_bytes = min(sum(grad_bytes), model.bucket_bytes_cap + max(grad_bytes, default=0))
-    state = _SharedGradients.attach(local_ok, bucket_bytes, distributed._as_timedelta(timeout))
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT.total_seconds() if timeout is None else timeout)
+    if not timeout.total_seconds() > 0:
+        raise ValueError(f"shared_memory_allreduce: timeout must be positive, got: {timeout!r}")
+    state = _SharedGradients.attach(local_ok, bucket_bytes, timeout)
     if state is None:
         return False
     model.register_comm_hook(state, _shared_memory_hook)

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import ddp_check
 import distributed
-from conftest import HERE, leftover_processes, run_script
+from harness import HERE, leftover_processes, run_script
 from ddp_check import assert_ddp_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
@@ -193,7 +193,8 @@ def attention_dropout_only() -> nn.Module:
 def gpt_like() -> nn.Module:
     """Two pre-norm transformer blocks with dropout 0.1 everywhere, as GPT-2 has by default."""
     return nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoder(nn.TransformerEncoderLayer(
-        8, nhead=2, dim_feedforward=16, dropout=0.1, batch_first=True, norm_first=True), 2), nn.Flatten(),
+        8, nhead=2, dim_feedforward=16, dropout=0.1, batch_first=True, norm_first=True), 2,
+        enable_nested_tensor=False), nn.Flatten(),
         nn.Linear(56, 3))
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from conftest import HERE, leftover_processes, run_script
+from harness import HERE, leftover_processes, run_script
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible: these tests need a GPU")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import distributed
-from conftest import HERE, cannot_run, free_port, leftover_processes, run_script
+from harness import HERE, cannot_run, free_port, leftover_processes, run_script
 
 # A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
 # writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
@@ -753,3 +753,26 @@ def test_nccl_without_a_gpu_is_refused_in_every_world_naming_the_fix():
     device_id parameter the user never passed."""
     with pytest.raises(ValueError, match=r"backend='nccl' needs a GPU and this process sees none.*backend=None"):
         distributed.init_process_group(0, 1, backend="nccl")
+
+
+def readme_snippet() -> str:
+    return re.search(r"```python\n(# train\.py.*?)```", Path(HERE, "README.md").read_text(), re.S).group(1)
+
+
+def docstring_example() -> str:
+    return textwrap.dedent(distributed.__doc__.split("\n\n", 1)[1].split("\n\nThe same script")[0])
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "torchrun-2"])
+@pytest.mark.parametrize("source, last_line", [
+    (readme_snippet, r"epoch 2: val accuracy (0\.9[0-9]+)"), (docstring_example, r"epoch 1: last loss [0-9.]+")],
+    ids=["readme", "docstring"])
+def test_the_usage_examples_run_as_written(tmp_path, source, last_line, processes):
+    """The README's script and distributed.py's docstring, pasted into train.py next to a copy of the file."""
+    (tmp_path / "train.py").write_text(source())
+    shutil.copy(Path(HERE, "distributed.py"), tmp_path)
+    command = [sys.executable, "train.py"] if processes == 1 else \
+        ["torchrun", "--standalone", f"--nproc_per_node={processes}", "train.py"]
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(last_line, out.stdout.strip().splitlines()[-1]), out.stdout

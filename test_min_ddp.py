@@ -1,6 +1,6 @@
 """Proof of the example: every DDP line of min_ddp.py, against a plain 1-process loop written here.
 
-min_ddp's own train() runs in the session's real gloo pools (conftest.py) with --dtype float64;
+min_ddp's own train() runs in the session's real gloo pools (harness.py) with --dtype float64;
 the reference below shares no code with it but make_model and make_dataset. It reads the data as
 DistributedSampler promises: a new permutation from seed + epoch every epoch, rank r taking every
 world-th index, each global step the union of every rank's next batch (and, with --grad-accum k,
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import distributed
 import min_ddp
-from conftest import one_thread, task_min_ddp
+from harness import one_thread, task_min_ddp
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR = 2, 7, 0.05

@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import HERE, build_model, cannot_run, examples, free_port, task_train
+from harness import HERE, build_model, cannot_run, examples, free_port, task_train
 from shared_memory_allreduce import shared_memory_allreduce
 
 # python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import distributed
-from conftest import (HERE, build_model, cannot_run, run_script, task_min_ddp, task_save_ddp_state,
+from harness import (HERE, build_model, cannot_run, run_script, task_min_ddp, task_save_ddp_state,
                       task_save_expecting_error)
 
 EPOCHS = 3
@@ -261,8 +262,10 @@ def test_corrupt_snapshot_is_an_error_naming_the_file(tmp_path, damage):
     path = tmp_path / "snap.pt"
     distributed.save_checkpoint(versioned_state(1), path)
     data = path.read_bytes()
-    path.write_bytes({"truncate": data[: len(data) // 2], "garbage": os.urandom(4096), "empty": b""}[damage])
-    with pytest.raises(Exception, match=f"{path}"):
+    garbage = random.Random(0).randbytes(4096)  # fixed: a random first byte could be pickle's GLOBAL opcode
+    path.write_bytes({"truncate": data[: len(data) // 2], "garbage": garbage, "empty": b""}[damage])
+    with pytest.raises(RuntimeError, match=rf"(?s)cannot load the snapshot {re.escape(str(path))}: it is corrupt or "
+                                           r"truncated \(.*\); restore a good copy or delete it to start fresh"):
         distributed.load_checkpoint(path)
 
 

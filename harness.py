@@ -1,0 +1,331 @@
+"""The equivalence harness: models, data, the tasks the worker pools run, and helpers for real processes.
+
+Starting a process that imports torch costs 1-3 s here, so each world size gets one pool of real
+processes (ddp_check.worker_pools: started as launch() starts its workers, with a gloo group each)
+shared by every test and by ddp_check itself. Hypothesis generates examples in the parent (it cannot
+shrink across processes); the workers run the ``task_*`` functions below on every rank (by name:
+they import this module) and return tensors; the parent computes the 1-process reference and
+asserts. A failing or hung task gets every rank's error, and its pool is restarted on next use.
+conftest.py holds the pytest side: the Hypothesis profiles and the ``pools`` fixture.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import distributed
+from ddp_check import check_equivalence
+from shared_memory_allreduce import shared_memory_allreduce
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")  # conftest.py loads it
+
+
+def examples(n: int) -> int:
+    """How many examples a property runs: n in CI, 5n in the dev profile."""
+    return n * (5 if PROFILE == "dev" else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data (float64: property tests compare with tight tolerances)
+# ---------------------------------------------------------------------------------------------
+FEATURES, CLASSES, IMAGE, VOCAB, SEQ = 5, 3, 6, 11, 6
+
+
+class TinyLM(nn.Module):
+    """A causal transformer language model: token + position embeddings, one block, a head."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Embedding(SEQ, width)
+        self.block = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width,
+                                                dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(self.block(h, src_mask=self.mask, is_causal=True))
+
+
+def build_model(kind: str, width: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, CLASSES))
+    elif kind == "conv":
+        model = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(width * IMAGE * IMAGE, CLASSES))
+    elif kind == "bn":
+        model = nn.Sequential(nn.Linear(FEATURES, width), nn.BatchNorm1d(width), nn.ReLU(),
+                              nn.Linear(width, CLASSES))
+    elif kind == "lm":
+        model = TinyLM(2 * width)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    return model.double()
+
+
+def build_data(kind: str, n: int, seed: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "lm":
+        tokens = torch.randint(VOCAB, (n, SEQ + 1), generator=gen)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    shape = (n, 1, IMAGE, IMAGE) if kind == "conv" else (n, FEATURES)
+    return TensorDataset(torch.randn(shape, generator=gen, dtype=torch.float64),
+                         torch.randint(CLASSES, (n,), generator=gen))
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """loss_fn in ddp_check's form: (model, batch) -> the batch's mean loss."""
+    return loss_fn(model, *batch)
+
+
+def optimizer_for(name: str, lr: float, params: Any) -> torch.optim.Optimizer:
+    """The optimizer named "sgd", "momentum" or "adam": ddp_check's make_optimizer with name and lr bound."""
+    return {"sgd": torch.optim.SGD, "momentum": functools.partial(torch.optim.SGD, momentum=0.9),
+            "adam": torch.optim.Adam}[name](params, lr=lr)
+
+
+def hook_shared_memory(ddp: DDP) -> None:
+    """after_ddp for ddp_check: shared_memory_allreduce, which must take over whenever world > 1."""
+    hooked = shared_memory_allreduce(ddp)
+    assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
+
+
+def check_training(spec: dict, world: int, rtol: float) -> list[dict]:
+    """ddp_check's engine on these models and data: N ranks through DDP against one process on
+    the union of their batches; raises AssertionError at the first divergence. Per-rank records."""
+    return check_equivalence(
+        functools.partial(build_model, spec["kind"], spec["width"], spec["model_seed"]),
+        functools.partial(build_data, spec["kind"], spec["n"], spec["data_seed"]), batch_loss,
+        functools.partial(optimizer_for, spec["optim"], spec["lr"]), world_sizes=(world,), steps=spec["steps"],
+        batch_size=spec["batch"], seed=spec["data_seed"], accum=spec["accum"], epoch=spec["epoch"],
+        shuffle=spec["shuffle"], after_ddp=hook_shared_memory if spec["allreduce"] == "shared-memory" else None,
+        rtol=rtol)[world]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The 1-process reference runs with one thread, like each pool worker: same kernels, same sums."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def param_vector(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def grad_vector(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().flatten() for p in model.parameters()]).clone()
+
+
+def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+              steps: int, accum: int) -> dict:
+    """``steps`` optimizer steps of ``accum`` micro-batches each; the parameters after every step.
+
+    Under DDP all micro-batches but the last of a step run under no_sync(): no all-reduce.
+    Also returns the gradient after the very first micro-batch (local under no_sync).
+    """
+    batches = iter(loader)
+    params, first_grad = [], None
+    for _ in range(steps):
+        for micro in range(accum):
+            x, y = next(batches)
+            local = micro < accum - 1 and isinstance(model, DDP)
+            with model.no_sync() if local else contextlib.nullcontext():
+                (loss_fn(model, x, y) / accum).backward()
+            if first_grad is None:
+                first_grad = grad_vector(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        params.append(param_vector(model))
+    return {"params": params, "first_grad": first_grad}
+
+
+def train_loader(spec: dict, batch_size: int) -> DataLoader:
+    """The data through the project's data_sampler: this rank's shard, or all of it in one process."""
+    data = build_data(spec["kind"], spec["n"], spec["data_seed"])
+    sampler = distributed.data_sampler(data, True, spec["shuffle"], seed=spec["data_seed"])
+    sampler.set_epoch(spec["epoch"])
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: run on every rank of a pool (module-level so spawn can pickle them by reference)
+# ---------------------------------------------------------------------------------------------
+
+
+def task_train(spec: dict) -> dict:
+    """spec["allreduce"]: "gloo" (DDP's own) or "shared-memory" (shared_memory_allreduce.py);
+    spec["bucket_cap_mb"]: DDP's bucket size (tiny: one bucket per parameter)."""
+    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]),
+                bucket_cap_mb=spec.get("bucket_cap_mb"))
+    if spec.get("allreduce") == "shared-memory":
+        hooked = shared_memory_allreduce(model)
+        assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
+    optimizer = optimizer_for(spec["optim"], spec["lr"], model.parameters())
+    loader = train_loader(spec, spec["batch"])
+    return run_steps(model, optimizer, loader, spec["steps"], spec["accum"])
+
+
+def task_grads(spec: dict) -> torch.Tensor:
+    """One backward through DDP on this rank's explicit indices; the (averaged) gradient."""
+    rank = distributed.get_rank()
+    model = DDP(build_model(spec["kind"], spec["width"], spec["model_seed"]))
+    data = build_data(spec["kind"], spec["n"], spec["data_seed"])
+    x, y = data[spec["indices"][rank]]
+    (loss_fn(model, x, y, spec["reduction"]) * spec["scale"][rank]).backward()
+    return grad_vector(model)
+
+
+def task_sampler(spec: dict) -> list[list[int]] | str:
+    """This rank's indices for each epoch, or the error data_sampler raised."""
+    data = TensorDataset(torch.arange(spec["n"]))
+    try:
+        sampler = distributed.data_sampler(data, True, spec["shuffle"], pad=spec["pad"], seed=spec["seed"])
+    except ValueError as e:
+        return f"ValueError: {e}"
+    out = []
+    for epoch in spec["epochs"]:
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+        assert len(out[-1]) == len(sampler), "len(sampler) disagrees with what it yields"
+    return out
+
+
+def task_reduce(spec: dict) -> dict:
+    value = spec["values"][distributed.get_rank()]
+    before = value.clone() if isinstance(value, torch.Tensor) else value
+    result = distributed.reduce(value, spec["op"])
+    untouched = torch.equal(value, before) if isinstance(value, torch.Tensor) else value == before
+    return {"result": result, "untouched": untouched, "is_new": result is not value}
+
+
+def task_identity(spec: dict) -> dict:
+    return {"rank": distributed.get_rank(), "world": distributed.get_world_size(),
+            "primary": distributed.is_primary(), "mode": distributed.launch_mode()}
+
+
+def task_eval(spec: dict) -> tuple[float, float, float]:
+    """min_ddp's own evaluate() on a prefix of its validation set, sharded with pad=False."""
+    import min_ddp
+    return evaluate_prefix(spec["n"], spec["batch"], min_ddp)
+
+
+def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float, float]:
+    """min_ddp.evaluate on its first n validation samples, in float64.
+
+    float64 because a sample's float32 logits change in the last bits with the batch they are in
+    (matmul picks other kernels), and the ranks batch differently than one process does.
+    """
+    torch.manual_seed(0)
+    model = min_ddp.make_model().double()
+    data = min_ddp.make_dataset("val", torch.float64)[:n]
+    loader = DataLoader(data, batch_size=batch, sampler=distributed.data_sampler(data, True, False, pad=False))
+    return min_ddp.evaluate(model, loader)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes: run a command with a timeout; find what a process tree left behind
+# ---------------------------------------------------------------------------------------------
+
+
+def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python *args`` in the repository, with a timeout so a hang fails instead of blocking."""
+    return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    """A port free right now, for tests that must pass one explicitly (MASTER_PORT, torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cannot_run(command: list[str], what: str) -> str | None:
+    """None if ``command`` succeeds here, else why not (a skip reason: "{what}: {its stderr}")."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"{command[0]} is missing: {e}"
+    return None if done.returncode == 0 else f"{what}: {done.stderr.strip()}"
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker``: a launcher's whole tree inherits it."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if marker.encode() in environ and not zombie and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def task_min_ddp(spec: dict) -> str:
+    """min_ddp's own training loop, in a pool worker, with the given command-line flags; what it printed."""
+    import min_ddp
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
+    return out.getvalue()
+
+
+def task_epoch_metrics(spec: dict) -> tuple[float, str]:
+    """min_ddp.train_epoch on this rank's exact shard of spec's float64 data, with a Linear(5, 3) held
+    fixed (lr=0): (the returned global mean loss, what this rank printed)."""
+    import min_ddp
+    data = TensorDataset(spec["x"], spec["y"])
+    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
+    torch.manual_seed(spec["seed"])
+    model = nn.Linear(5, 3).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        mean_loss = min_ddp.train_epoch(model, loader, optimizer, log_every=spec["log_every"])
+    return mean_loss, out.getvalue()
+
+
+def task_save_ddp_state(spec: dict) -> None:
+    """Every rank calls save_checkpoint with a DDP-wrapped model's state (keys start with module.)."""
+    model = DDP(build_model("mlp", 4, 0))
+    distributed.save_checkpoint({"model": model.state_dict()}, spec["path"])
+
+
+def task_save_expecting_error(spec: dict) -> str:
+    """save_checkpoint where the primary cannot write: every rank must raise, none may hang."""
+    try:
+        distributed.save_checkpoint({"x": torch.ones(1)}, spec["path"])
+    except OSError as e:
+        return str(e)
+    return "no error"
+
+
+def task_all_gather(spec: dict) -> torch.Tensor:
+    return distributed.all_gather(spec["values"][distributed.get_rank()])
