@@ -44,8 +44,10 @@ import contextlib
 import ctypes
 import datetime
 import errno
+import faulthandler
 import gc
 import io
+import linecache
 import multiprocessing.connection
 import multiprocessing.util
 import os
@@ -55,6 +57,7 @@ import select
 import shutil
 import signal
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -158,6 +161,8 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
                          f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker")
     if env.mode == "torchrun":
         _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
+    if env.mode != "spawn":  # `kill -QUIT <pid>` prints where this rank is (launch() collects its own)
+        faulthandler.register(_STACK_SIGNAL, all_threads=True)
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -673,9 +678,12 @@ class _Workers:
                 rank = pending.pop(sentinel)
                 self.processes[rank].join()
                 if self.processes[rank].exitcode != 0:
-                    seen_at = time.time()
+                    seen_at, report = time.time(), self._report(rank)
+                    timed_out = report is None and self.processes[rank].exitcode == -signal.SIGABRT or \
+                        report is not None and re.search(_TIMED_OUT, report["traceback"])
+                    stacks = self._stacks() if timed_out else None  # before the others are stopped
                     _terminate(self.processes)
-                    raise self._root_cause(rank, seen_at, killed_at=time.time())
+                    raise self._root_cause(rank, seen_at, time.time(), stacks)
 
     def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
@@ -683,22 +691,47 @@ class _Workers:
         self.store = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _root_cause(self, first: int, seen_at: float, killed_at: float) -> BaseException:
+    def _report(self, rank: int) -> dict | None:
+        with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), \
+                open(os.path.join(self.dir, f"rank{rank}.err"), "rb") as f:
+            return pickle.load(f)
+        return None
+
+    def _stacks(self) -> dict[int, str]:
+        """Every live rank's Python stacks, dumped by faulthandler on _STACK_SIGNAL (from C, so also
+        while C code holds the GIL); a rank that does not answer within a second is left out."""
+        live = [rank for rank, p in enumerate(self.processes) if p.is_alive()]
+        for rank in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.processes[rank].pid, _STACK_SIGNAL)
+        stacks, deadline = {}, time.monotonic() + 1.0
+        while len(stacks) < len(live) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a dump takes milliseconds: after 0.1 s a non-empty file is whole
+            for rank in live:
+                with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.stack")) as f:
+                    stacks.update({rank: text} if (text := f.read()) else {})
+        return {rank: stacks.get(rank, "") for rank in live}
+
+    def _root_cause(self, first: int, seen_at: float, killed_at: float, stacks: dict | None) -> BaseException:
         """The failure to report: every rank that raised before we stopped the job competes."""
-        failures = []  # (collateral?, time, rank, report)
+        failures, reports = [], {}  # failures: (collateral?, time, rank, report)
         for rank, p in enumerate(self.processes):
-            report = None
-            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), \
-                    open(os.path.join(self.dir, f"rank{rank}.err"), "rb") as f:
-                report = pickle.load(f)
+            report = reports[rank] = self._report(rank)
             if report is not None and report["time"] <= killed_at:
                 failures.append((_looks_collateral(report["traceback"]), report["time"], rank, report))
             elif rank == first:
                 failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
         # A rank that raised or died first is the root cause; errors that only say a peer went
         # away ("connection closed") are what the *other* ranks see, so they rank last.
-        _, _, rank, report = min(failures, key=lambda f: f[:3])
-        return _exception_from_report(rank, report)
+        collateral, _, rank, report = min(failures, key=lambda f: f[:3])
+        error = _exception_from_report(rank, report, located=stacks is not None)
+        finished = [r for r, p in enumerate(self.processes) if p.exitcode == 0]
+        if collateral and finished:
+            error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {rank} still called a "
+                           "collective: every rank must run the same collectives (the same number of batches)")
+        if stacks is not None:  # a collective timed out: where was each rank?
+            error.add_note(_where_ranks_are(stacks, reports))
+        return error
 
 
 def _start_context() -> Any:
@@ -718,6 +751,8 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     gc.freeze()  # torch's objects live as long as this process: spare every full collection them
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
+    faulthandler.register(_STACK_SIGNAL, open(err_file.replace(".err", ".stack"), "w"), all_threads=True)
     _die_with_parent(parent_pid)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -839,6 +874,56 @@ def _exit_report(rank: int, exitcode: int) -> dict:
     return {"message": f"rank {rank} was killed by signal {name}{hint}"}
 
 
+_TIMED_OUT = r"Timed out|timed out|Timeout"
+_STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> shows a rank's stack
+_COLLECTIVES = ("reduce", "all_gather", "barrier", "print_ranked", "save_checkpoint", "backward")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) -> str:
+    """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
+    in a collective, or not (it never reached it), the innermost frames of the user's code first."""
+    path, lines, waits = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")[1], [], {}
+    texts = {**stacks, **{r: report["traceback"] for r, report in reports.items() if report and not stacks.get(r)}}
+    with open(path, "w") as f:
+        f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
+    for rank, text in sorted(texts.items()):
+        main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
+        frames = _FRAME.findall(main[0])[:: 1 if stacks.get(rank) else -1]  # innermost first
+        ours = [i for i, (file, _, _) in enumerate(frames) if not _is_library(file)]
+        called = frames[ours[0] - 1][2] if ours and ours[0] > 0 else ""
+        where = " <- ".join(f"{os.path.basename(frames[i][0])}:{frames[i][1]} in {frames[i][2]}" for i in ours[:3])
+        if not text:
+            lines.append(f"  rank {rank}: did not answer within 1 s (stopped, or blocked in the kernel)")
+        elif called in _COLLECTIVES:
+            waits[rank] = (called, frames[ours[0]][:2])
+            lines.append(f"  rank {rank}: waiting in {called}(), at {where}")
+        else:
+            lines.append(f"  rank {rank}: not in a collective (it never reached it), at {where}")
+    if len({called for called, _ in waits.values()}) > 1:
+        lines.append("  The ranks wait in different collectives, or in the same ones in a different order: every "
+                     "rank must call the same collectives in the same order")
+    if 0 in waits and any(waits.get(r, ("",))[0] != waits[0][0] for r in texts) and _in_primary_only_branch(*waits[0][1]):
+        lines.append(f"  {waits[0][0]}() on rank 0 is a collective inside a primary-only branch (`if is_primary():`):"
+                     " every rank must call it; move it out of the branch")
+    return "\n".join([f"Where each rank was when the collective timed out (every stack: {path}):", *lines])
+
+
+def _is_library(file: str) -> bool:
+    return file == __file__ or f"{os.sep}torch{os.sep}" in file or file.startswith((sysconfig.get_paths()["stdlib"], "<"))
+
+
+def _in_primary_only_branch(file: str, line: str) -> bool:
+    """Whether this line sits under an `if` that tests for the primary rank (within 30 lines above)."""
+    text = linecache.getline(file, int(line))
+    indent = len(text) - len(text.lstrip())
+    for n in range(int(line) - 1, max(int(line) - 30, 0), -1):
+        above = linecache.getline(file, n)
+        if above.strip() and len(above) - len(above.lstrip()) < indent:
+            return above.lstrip().startswith("if") and bool(re.search(r"is_primary|rank\(?\)? *== *0", above))
+    return False
+
+
 def _looks_collateral(tb: str) -> bool:
     """A peer vanished or timed out: what the surviving ranks see when another rank fails first."""
     return bool(re.search(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|"
@@ -852,11 +937,11 @@ class _ScriptUnpickler(pickle.Unpickler):
         return super().find_class("__main__" if module == "__mp_main__" else module, name)
 
 
-def _exception_from_report(rank: int, report: dict) -> BaseException:
+def _exception_from_report(rank: int, report: dict, located: bool = False) -> BaseException:
     if "traceback" not in report:
         return WorkerFailed(report["message"], rank)
     note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
-    if re.search(r"Timed out|timed out|Timeout", report["traceback"]):
+    if re.search(_TIMED_OUT, report["traceback"]) and not located:
         note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
                  " raise it with init_process_group(..., timeout=seconds)).")
     try:

@@ -35,6 +35,10 @@ JOB = textwrap.dedent('''
     import torch
     import distributed as dist
 
+    def spin():
+        while True:
+            pass
+
     def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         dist.init_process_group(local_rank, world_size, timeout=timeout)
         dist.reduce(torch.ones(1))                      # everyone is connected
@@ -54,6 +58,16 @@ JOB = textwrap.dedent('''
         if behaviour == "ignore-sigterm":               # the launcher waits its grace period, then SIGKILLs
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             time.sleep(3600)
+        if behaviour == "spin" and rank == bad_rank:
+            spin()                                      # never returns: the others wait below
+        if behaviour == "read" and rank == bad_rank:
+            os.read(os.pipe()[0], 1)                    # blocked in a C call, forever
+        if behaviour == "primary-only":
+            if dist.is_primary():
+                dist.reduce(torch.ones(1))              # a collective on the primary alone
+            dist.barrier()
+        if behaviour == "leave" and rank == bad_rank:
+            return                                      # finishes early: its peers wait below
         dist.reduce(torch.ones(1))                      # where the healthy ranks wait
         dist.print_primary("job ok")
         dist.cleanup()
@@ -166,7 +180,7 @@ def test_hung_rank_makes_the_others_fail_with_a_timeout_error(job):
     code, out, err = j.finish(timeout=60)
     assert code == 1
     assert "[rank 0] failed first" in err and "Timed out" in err
-    assert "A collective timed out: another rank is probably stuck" in err
+    assert "rank 1: not in a collective (it never reached it)" in err and "rank 0: waiting in reduce()" in err
     assert j.leftovers() == []
 
 
@@ -776,3 +790,71 @@ def test_the_usage_examples_run_as_written(tmp_path, source, last_line, processe
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert re.fullmatch(last_line, out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. A hang names the stuck rank and where it is
+# ---------------------------------------------------------------------------------------------
+
+
+def line_of(tmp_path: Path, text: str) -> int:
+    """The line number of ``text`` in the job script the test ran."""
+    return next(n for n, line in enumerate((tmp_path / "job.py").read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize("behaviour, stuck_at", [("spin", "in spin <- job.py:{} in worker"),
+                                                 ("read", "in worker")], ids=["python-loop", "blocked-in-c"])
+def test_a_hung_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective(job, tmp_path, behaviour,
+                                                                                     stuck_at):
+    j = job(behaviour, "1", "2", "3")  # a 3-second collective timeout
+    code, out, err = j.finish(timeout=60)
+    assert code == 1, err
+    # A busy `while True: pass` is caught on either of its two lines.
+    stuck = [line_of(tmp_path, "while True:") + n for n in (0, 1)] if behaviour == "spin" else \
+        [line_of(tmp_path, "os.read(os.pipe()[0], 1)")]
+    expected = stuck_at.format(line_of(tmp_path, "spin()  "))
+    assert any(f"rank 1: not in a collective (it never reached it), at job.py:{line} {expected}\n" in err
+               for line in stuck), err
+    assert f"rank 0: waiting in reduce(), at job.py:{line_of(tmp_path, '# where the healthy ranks wait')} in worker" in err
+    stacks = re.search(r"every stack: (\S+)\)", err).group(1)
+    assert "--- rank 0" in Path(stacks).read_text() and "--- rank 1" in Path(stacks).read_text()
+    assert "another rank is probably stuck" not in err  # the guess gives way to what was seen
+    assert j.leftovers() == []
+
+
+def test_a_collective_on_the_primary_alone_is_named_as_such(job, tmp_path):
+    """The rank-0-only evaluation: rank 0 waits in reduce under `if is_primary():`, rank 1 in barrier."""
+    j = job("primary-only", "0", "2", "3")
+    code, out, err = j.finish(timeout=60)
+    assert code == 1, err
+    assert f"rank 0: waiting in reduce(), at job.py:{line_of(tmp_path, 'a collective on the primary alone')}" in err
+    assert "reduce() on rank 0 is a collective inside a primary-only branch" in err, err
+    assert f"rank 1: waiting in barrier(), at job.py:{line_of(tmp_path, 'dist.barrier()')}" in err, err
+    assert "The ranks wait in different collectives" in err
+    assert j.leftovers() == []
+
+
+def test_a_rank_whose_peer_finished_early_says_so(job):
+    """gloo's "Connection closed by peer" explains nothing: the report says which rank had finished."""
+    j = job("leave", "1", "2")
+    code, out, err = j.finish(timeout=60)
+    assert code == 1, err
+    assert "rank(s) [1] had already finished (exit code 0) while rank 0 still called a collective" in err, err
+    assert j.leftovers() == []
+
+
+def test_under_torchrun_kill_quit_prints_a_ranks_stack_and_it_keeps_running(job):
+    """No launcher of ours collects stacks there: `kill -QUIT <pid>` on a rank shows where it is."""
+    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", "job.py", "wait", "0", "2"])
+    j.wait_ready(2)
+    ranks = [pid for pid in leftover_processes(f"DDP_TEST_MARKER={j.marker}")
+             if b"job.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+             and b"torchrun" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[0], signal.SIGQUIT)
+    time.sleep(1)
+    assert Path(f"/proc/{ranks[0]}").exists(), "the rank died of SIGQUIT"
+    os.killpg(j.proc.pid, signal.SIGTERM)
+    code, out, err = j.finish()
+    assert "(most recent call first)" in err and 'job.py", line' in err and "in worker" in err, err
+    assert j.leftovers() == []
