@@ -621,12 +621,19 @@ def _check_weights_only(obj: Any, where: str) -> None:
 
 
 def _atomic_save(state: dict, path: str) -> None:
-    tmp = f"{path}.tmp"  # fixed name: a crashed save leaves one stray file, overwritten next time
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A temporary file of its own: two jobs saving to one path each leave a whole snapshot (the last
+    # rename wins); with one fixed name, one job's rename took the other's file away.
+    tmp = f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable

@@ -269,6 +269,35 @@ def test_corrupt_snapshot_is_an_error_naming_the_file(tmp_path, damage):
         distributed.load_checkpoint(path)
 
 
+def test_two_jobs_saving_to_one_path_each_leave_a_whole_snapshot(tmp_path):
+    """Two jobs given the same --snapshot: with one fixed PATH.tmp, one job's rename took the other's
+    file away, and that save failed with "No such file or directory". Each save now has its own."""
+    path, states, pids = tmp_path / "snap.pt", {1: versioned_state(1), 2: versioned_state(2)}, []
+    for version in (1, 2):  # the states are built here: a parallel op in a forked child can hang
+        pid = os.fork()
+        if pid == 0:  # a child: ten saves, exit code 1 if any failed
+            code = 1
+            try:
+                for _ in range(10):
+                    distributed.save_checkpoint(states[version], path)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    deadline, codes = time.monotonic() + 120, {}
+    while len(codes) < 2 and time.monotonic() < deadline:
+        for pid in pids:
+            done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
+            codes.update({pid: os.waitstatus_to_exitcode(status)} if done else {})
+        time.sleep(0.01)
+    for pid in set(pids) - set(codes):
+        os.kill(pid, signal.SIGKILL)
+    assert sorted(codes.values()) == [0, 0], codes
+    state = distributed.load_checkpoint(path)
+    assert state["version"] in (1, 2) and torch.equal(state["payload"], states[state["version"]]["payload"])
+    assert list(tmp_path.glob("*.tmp")) == [], "a save left its temporary file behind"
+
+
 def test_missing_snapshot_means_a_fresh_start(tmp_path):
     assert distributed.load_checkpoint(tmp_path / "nothing.pt") is None
 
