@@ -890,9 +890,10 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) -> str:
     """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
     in a collective, or not (it never reached it), the innermost frames of the user's code first."""
-    path, lines, waits = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")[1], [], {}
+    fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
+    lines, waits = [], {}
     texts = {**stacks, **{r: report["traceback"] for r, report in reports.items() if report and not stacks.get(r)}}
-    with open(path, "w") as f:
+    with os.fdopen(fd, "w") as f:
         f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
     for rank, text in sorted(texts.items()):
         main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
