@@ -685,9 +685,10 @@ class _Workers:
                 rank = pending.pop(sentinel)
                 self.processes[rank].join()
                 if self.processes[rank].exitcode != 0:
-                    seen_at, report = time.time(), self._report(rank)
-                    timed_out = report is None and self.processes[rank].exitcode == -signal.SIGABRT or \
-                        report is not None and re.search(_TIMED_OUT, report["traceback"])
+                    seen_at, reports = time.time(), filter(None, map(self._report, range(len(self.processes))))
+                    # Any rank's timeout counts: the first to exit may be one that then lost its peer.
+                    timed_out = self.processes[rank].exitcode == -signal.SIGABRT or \
+                        any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
                     stacks = self._stacks() if timed_out else None  # before the others are stopped
                     _terminate(self.processes)
                     raise self._root_cause(rank, seen_at, time.time(), stacks)
