@@ -659,7 +659,9 @@ def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path)
         pytest.skip("`script` (util-linux) is missing: salloc's interactive step needs a terminal")
     (tmp_path / "ranks.py").write_text(RANKS.format(repo=HERE))
     typed = f"echo step=$SLURM_STEP_ID; {sys.executable} ranks.py; exit\n"
-    out = subprocess.run(["script", "-qec", "salloc -n 2", "/dev/null"], input=typed, cwd=tmp_path,
+    # salloc runs the step as `srun ... --pty $SHELL` (InteractiveStepOptions): a login always has SHELL, CI may not.
+    env = {**os.environ, "SHELL": os.environ.get("SHELL") or "/bin/sh"}
+    out = subprocess.run(["script", "-qec", "salloc -n 2", "/dev/null"], input=typed, cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     text = out.stdout.replace("\r", "")
     assert "step=4294967290" in text, text  # the shell ran inside the interactive step
