@@ -26,6 +26,9 @@ compares numbers measured in this same run (a throughput ratio: the median of it
 5. SLURM (where a cluster answers): `srun -n 2 python min_ddp.py` without -c against
    `python min_ddp.py --nprocs 2`, min_ddp's own 2-epoch throughput, the two commands alternating.
    `python bench.py --srun` measures this row alone.
+6. Stop checks (`python bench.py --stop`, alone): what distributed.stop_requested() costs min_ddp's own
+   step (its model, data and batch 64, 2 processes) when asked every step and every 20 steps (min_ddp's
+   --check-every), epochs with and without it taking turns in one job.
 """
 from __future__ import annotations
 
@@ -249,6 +252,46 @@ def logging_overhead(steps: int, rounds: int = 4) -> float:
     and without them take turns in one job, so the job-to-job spread of this VM cancels out."""
     pairs = run_launched(min_ddp_worker, 2, steps, (10**9, 10), rounds, "shared-memory")
     return statistics.median(1 - logged / quiet for quiet, logged in pairs)
+
+
+STOP_EVERY = (0, 1, 20)  # optimizer steps between stop checks; 0: none
+
+
+def stop_check_worker(local_rank: int, world_size: int, rounds: int, result: str) -> None:
+    """Writes, per round, min_ddp's epoch time for each of STOP_EVERY, in turn, as JSON."""
+    device = dist.init_process_group(local_rank, world_size)
+    model = min_ddp.make_model().to(device)
+    ddp_model, optimizer = min_ddp.wrap(model, device, 300)[0], torch.optim.SGD(model.parameters(), lr=0.01)
+    data = min_ddp.make_dataset("train")
+    loader = DataLoader(data, batch_size=64, sampler=dist.data_sampler(data, True, True))
+
+    def epoch(every: int) -> float:
+        steps = itertools.count(1)
+        check = (lambda: next(steps) % every == 0 and dist.stop_requested()) if every else None
+        dist.barrier()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            min_ddp.train_epoch(ddp_model, loader, optimizer, after_step=check)
+        return dist.reduce(time.perf_counter() - start, "max").item()
+    epoch(0)  # warm-up
+    times = [[epoch(every) for every in STOP_EVERY] for _ in range(rounds)]
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump(times, f)
+    dist.cleanup()
+
+
+def stop_check_rows(runs: int) -> list[str]:
+    """The cost of stop checks as a fraction of the epoch time: median and range over the rounds."""
+    times = run_launched(stop_check_worker, 2, 5 * runs)
+    rows = [f"min_ddp epoch, 2 processes, no stop check    {statistics.median(t[0] for t in times):.3f} s "
+            f"({len(times)} rounds)"]
+    for i, every in enumerate(STOP_EVERY[1:], 1):
+        cost = [t[i] / t[0] - 1 for t in times]
+        target = "  target <= 1%: " + ("ok" if statistics.median(cost) <= 0.01 else "MISSED") if every == 20 else ""
+        rows.append(f"stop_requested() every {every:2d} steps            {statistics.median(cost):+.2%} of the step "
+                    f"(rounds: {min(cost):+.2%} .. {max(cost):+.2%}){target}")
+    return rows
 
 
 def run_launched(worker: Callable[..., None], world: int, *args: Any) -> Any:
@@ -488,6 +531,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="timed steps per throughput run")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--srun", action="store_true", help="only the SLURM rows (needs a cluster: bash .ci/slurm up)")
+    p.add_argument("--stop", action="store_true", help="only the cost of stop checks")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -495,6 +539,9 @@ def main() -> None:
         p.error(f"--runs and --steps must be >= 1, got: --runs {args.runs} --steps {args.steps}")
     if args.job:
         dist.launch(job_worker, args.fail_file, nprocs=2)
+        return
+    if args.stop:
+        print("\n".join(stop_check_rows(args.runs)))
         return
     if args.srun:
         if not slurm_answers():

@@ -47,6 +47,7 @@ import errno
 import faulthandler
 import gc
 import io
+import itertools
 import linecache
 import multiprocessing.connection
 import multiprocessing.util
@@ -56,6 +57,7 @@ import re
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -63,7 +65,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,7 @@ __all__ = [
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "unwrap",
+    "STOP_SIGNALS", "stop_requested", "requeue",
 ]
 
 # gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
@@ -85,14 +88,17 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 # ------------------------------ Launching ----------------------------------------------------
-def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) -> None:
+def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, grace: float = 25.0) -> None:
     """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
 
     Under a launcher (torchrun, srun) the worker runs once, here. Otherwise ``nprocs`` processes
     run on this machine (default: one per visible GPU, else 1; one runs in-process).
     A failing rank stops the whole job: the others are terminated and the root cause's exception
     is re-raised here, its remote traceback attached as a note (``WorkerFailed`` if it died of a
-    signal). Ctrl-C or SIGTERM stop every worker first.
+    signal). Ctrl-C stops every worker at once. SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to the
+    workers, which get ``grace`` seconds (below SLURM's default KillWait, 30 s) to save and exit
+    (see stop_requested) before SIGKILL; then this process dies of the same signal. Workers that
+    exit with 128 + a stop signal's number did stop, not fail: this process exits with that code.
     """
     env = _launcher_env()
     if env is not None:
@@ -106,9 +112,14 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None) ->
         worker(0, 1, *args)
         return
     _check_spawnable(worker, args)
-    # Exit order matters: the workers are stopped before a SIGTERM is delivered again.
-    with _sigterm_as_interrupt(), contextlib.closing(start_workers(worker, nprocs, *args)) as workers:
-        workers.join()
+    processes: list = []  # filled below: the signal handlers forward to them
+    # Exit order matters: the workers are gone before the launcher dies of a forwarded signal.
+    with _forwarding_stop_signals(processes, grace) as received, \
+            contextlib.closing(start_workers(worker, nprocs, *args)) as workers:
+        processes += workers.processes
+        workers.join(received)
+    if stopped := [p.exitcode for p in processes if p.exitcode in _STOP_EXITS]:
+        raise SystemExit(stopped[0])  # every rank stopped at a signal, saved and exited with this code
 
 
 def launch_mode() -> str:
@@ -222,6 +233,8 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
 
     Every rank draws the same permutation for an epoch (``seed + epoch``): call
     ``sampler.set_epoch(epoch)`` every epoch, or every epoch repeats the same order.
+    ``set_epoch(epoch, skip=k)`` resumes mid-epoch: the same order without the first k samples of this
+    rank's share, which are never loaded; len() is what remains; the next set_epoch is whole again.
     pad=True (training): torch's DistributedSampler; ceil(N / world) samples per rank, padded with
     repeats so every rank runs the same number of steps. pad=False (exact evaluation): every sample
     exactly once across the ranks, which may differ by one sample (or get none when N < world).
@@ -235,8 +248,7 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
         raise ValueError(f"data_sampler: the dataset has {size} samples but the world size is {world}; "
                          f"with pad=True {world - size} rank(s) would train only on repeated samples. Use at "
                          f"least {world} samples, fewer processes, or pad=False (for evaluation)")
-    sampler = DistributedSampler if pad else _UnpaddedSampler
-    return sampler(dataset, world, rank, shuffle=shuffle, seed=seed)
+    return _Sampler(dataset, world, rank, shuffle=shuffle, seed=seed, pad=pad)
 
 
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
@@ -361,6 +373,47 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+# ------------------------------ Stopping on a signal, and SLURM's requeue ----------------------
+# SLURM sends SIGTERM at the time limit or on scancel (or `#SBATCH --signal`'s USR1/USR2 before the limit),
+# then SIGKILL KillWait (30 s) later; torchrun's agent forwards SIGTERM and SIGKILLs after 30 s.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stop_requested() -> signal.Signals | None:
+    """The stop signal (one of STOP_SIGNALS) that any rank has received, or None; the same answer on
+    every rank, from one all-reduce. Must be called on all ranks, at the same step boundary: then all
+    of them can save the same step and exit alike. The first call installs handlers (main thread)
+    that only record the signal; until then these signals keep their default effect (death). Of
+    different signals SIGTERM wins (scancel also sends it: not a moment to requeue)."""
+    recorder = signal.getsignal(signal.SIGTERM)
+    if not isinstance(recorder, _StopRecorder):
+        recorder = _StopRecorder()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, recorder)
+    received = int(reduce(recorder.received, "max"))
+    return signal.Signals(received) if received else None
+
+
+def requeue() -> bool:
+    """Ask SLURM to requeue this job (under a job array, this task only); True if it accepted. Not a
+    collective: only the primary asks, other ranks and runs outside SLURM get False. SLURM ends the
+    running job at once, so call it when the snapshot is saved. Where scontrol is missing (in a
+    container) or refuses, it says so on stderr and returns False: slurm.conf's RequeueExit=<code>
+    can requeue on your exit code instead."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not is_primary() or job is None:
+        return False
+    if array_job := os.environ.get("SLURM_ARRAY_JOB_ID"):  # the job's own id would requeue every task
+        job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if (scontrol := shutil.which("scontrol")) is None:
+        print(f"requeue: scontrol is not on PATH here, so job {job} is not requeued", file=sys.stderr, flush=True)
+        return False
+    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        print(f"requeue: `scontrol requeue {job}` failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
+    return done.returncode == 0
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -550,14 +603,29 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
 
 
 # ------------------------------ Data ---------------------------------------------------------
-class _UnpaddedSampler(DistributedSampler):
-    """DistributedSampler's permutation, every index exactly once across the ranks: it pads to
-    ``total_size`` and checks ``num_samples``, so the unpadded sizes reuse the rest unchanged."""
+class _Sampler(DistributedSampler):
+    """DistributedSampler, able to start mid-epoch. pad=False: its permutation, every index exactly once
+    across the ranks (it pads to ``total_size`` and checks ``num_samples``: the unpadded sizes reuse the rest)."""
 
-    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int):
+    def __init__(self, dataset: Dataset, world: int, rank: int, *, shuffle: bool, seed: int, pad: bool):
         super().__init__(dataset, world, rank, shuffle=shuffle, seed=seed)
-        self.total_size = len(dataset)
-        self.num_samples = len(range(rank, self.total_size, world))
+        self.skip = 0
+        if not pad:
+            self.total_size = len(dataset)
+            self.num_samples = len(range(rank, self.total_size, world))
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        if not 0 <= skip <= self.num_samples:
+            raise ValueError(f"set_epoch: skip must be between 0 and this rank's share of {self.num_samples} "
+                             f"samples, got: {skip}")
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)  # indices only: nothing skipped is loaded
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
 
 
 # ------------------------------ Collectives --------------------------------------------------
@@ -644,6 +712,18 @@ def _atomic_save(state: dict, path: str) -> None:
         os.close(directory)
 
 
+class _StopRecorder:
+    """stop_requested()'s handler; it lives in the process's signal table, not in a module global. It only
+    records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
+    so I/O or a collective here could deadlock (Lightning #20806, #21406). A repeat is harmless."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received = max(self.received, signum)
+
+
 def _corrupt(path: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
@@ -662,6 +742,10 @@ class _Workers:
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
         self.processes: list[mp.Process] = []
+        # The helpers started now (the forkserver, multiprocessing's resource tracker) inherit the stop
+        # signals blocked: a signal to the whole process group must not kill the forkserver, whose death
+        # SIGKILLs its children, the workers. One arriving meanwhile reaches the launcher afterwards.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             init_method, self.store = _local_rendezvous(self.dir)
             omp = os.environ.get("OMP_NUM_THREADS", "")
@@ -676,15 +760,20 @@ class _Workers:
         except BaseException:
             self.close()
             raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
-    def join(self) -> None:
-        """Wait for every rank; on the first failure stop the rest and raise the root cause."""
+    def join(self, stopping: list | None = None) -> None:
+        """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that
+        exits with 128 + a stop signal's number, or any way without an error once ``stopping`` holds a
+        forwarded signal, did not fail."""
         pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
                 self.processes[rank].join()
-                if self.processes[rank].exitcode != 0:
+                stopped = self.processes[rank].exitcode in _STOP_EXITS or stopping and self._report(rank) is None
+                if self.processes[rank].exitcode != 0 and not stopped:
                     seen_at, reports = time.time(), filter(None, map(self._report, range(len(self.processes))))
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
                     timed_out = self.processes[rank].exitcode == -signal.SIGABRT or \
@@ -757,6 +846,7 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
                   env: dict[str, str], err_file: str, parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
     gc.freeze()  # torch's objects live as long as this process: spare every full collection them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (see _Workers)
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
@@ -836,28 +926,46 @@ def _kill_self_when_readable(fd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+_STOP_EXITS = tuple(128 + signum for signum in STOP_SIGNALS)  # how a rank exits after a stop (a shell's code)
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """While the workers run, SIGTERM is a KeyboardInterrupt so they are stopped first; then it is
-    delivered again, so the launcher still dies of SIGTERM (exit code 143) as the sender expects."""
+def _forwarding_stop_signals(processes: list, grace: float):
+    """While the workers run, a stop signal goes on to each of them, and SIGKILL ``grace`` seconds after
+    the first; yields the list of signals received. Afterwards the launcher dies of the first one, as
+    its sender expects (exit code 128 + its number)."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be installed in the main thread
+        yield []  # signal handlers can only be installed in the main thread
         return
-    received = []
+    received: list[int] = []
+    deadline = threading.Timer(grace, _kill, args=(processes,))
+    deadline.daemon = True
 
-    def on_term(signum: int, frame: Any) -> None:
+    def forward(signum: int, frame: Any) -> None:
         received.append(signum)
-        if len(received) == 1:  # a second SIGTERM (GNU timeout signals us, then our group) must not
-            raise KeyboardInterrupt  # interrupt the cleanup the first one started
+        for p in processes:
+            with contextlib.suppress(ProcessLookupError):
+                if p.exitcode is None:  # a reaped worker's pid may be someone else's by now
+                    os.kill(p.pid, signum)
+        if not deadline.is_alive() and len(received) == 1:
+            deadline.start()
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
-        yield
+        yield received
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        deadline.cancel()
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         if received:  # dying of a signal skips interpreter exit, which removes the forkserver's socket dir
             shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(received[0])
+
+
+def _kill(processes: list) -> None:
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
 
 
 def _terminate(processes: list) -> None:

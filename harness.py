@@ -247,6 +247,34 @@ def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float, flo
     return min_ddp.evaluate(model, loader)
 
 
+class CountingDataset(torch.utils.data.Dataset):
+    """The numbers 0..n-1, recording every index loaded: a sample the sampler skips must never be."""
+
+    def __init__(self, n: int):
+        self.n, self.loaded = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        self.loaded.append(index)
+        return index
+
+
+def task_sampler_skip(spec: dict) -> dict:
+    """This rank's order for an epoch, whole, then resumed after spec["skip"] samples through a
+    DataLoader (what that loaded, and len() before), then the next epoch's len()."""
+    data = CountingDataset(spec["n"])
+    sampler = distributed.data_sampler(data, True, spec["shuffle"], pad=spec["pad"], seed=spec["seed"])
+    sampler.set_epoch(spec["epoch"])
+    whole = list(sampler)
+    sampler.set_epoch(spec["epoch"], skip=spec["skip"])
+    out = {"whole": whole, "len": len(sampler)}
+    out["resumed"] = [int(i) for batch in DataLoader(data, batch_size=spec["batch"], sampler=sampler) for i in batch]
+    out["loaded"], out["next_len"] = data.loaded, (sampler.set_epoch(spec["epoch"] + 1), len(sampler))[1]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Real processes: run a command with a timeout; find what a process tree left behind
 # ---------------------------------------------------------------------------------------------

@@ -470,7 +470,7 @@ def test_min_ddp_config_file_and_flags_override(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"epoch": 3}', "unknown key(s) epoch; the keys are: batch_size, dtype, epochs,"),
+    ('{"epoch": 3}', "unknown key(s) epoch; the keys are: batch_size, check_every, dtype, epochs,"),
     ('{"lr": "fast"}', "lr='fast': argument --lr: invalid float value: 'fast'"),
     ('{"dtype": "float16"}', "dtype='float16': argument --dtype: invalid choice"),
     ('{"epochs": 0}', "epochs=0: --epochs must be > 0, got: 0"),
@@ -501,8 +501,10 @@ def test_min_ddp_settings_it_cannot_use_are_one_line_without_a_traceback(tmp_pat
     assert run_script(["min_ddp.py", "--epochs", "1", "--snapshot", snapshot], timeout=120).returncode == 0
     refused = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--seed", "9", "--snapshot", snapshot])
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
-    assert refused.stderr.strip() == (f"min_ddp: --snapshot {snapshot} has seed=0 (world size 1), this run has "
-                                      "seed=9: keep --seed as saved, or use another --snapshot path")
+    assert refused.stderr.strip().startswith(f"min_ddp: --snapshot {snapshot} belongs to another run: --seed: 0 "
+                                             "there, 9 here; the global batch (--batch-size x processes x --grad-accum)"
+                                             ": 64 there, 128 here. Use its settings to continue it, or another --snapshot "
+                                             "path. May change on resume: --epochs"), refused.stderr
     nothing_left = run_script(["min_ddp.py", "--epochs", "1", "--snapshot", snapshot], timeout=120)
     done = nothing_left.stdout.splitlines()[-1]
     assert done.startswith("done: world=1 epochs=1") and "samples_per_s" not in done, nothing_left.stdout

@@ -58,16 +58,16 @@ def test_stop_and_resume_equals_training_straight_through(pools, tmp_path, world
     straight = tmp_path / "straight.pt"
     train_in_pool(pools, world, EPOCHS, "--snapshot", str(straight))
     expected = distributed.load_checkpoint(straight)
-    assert expected["epochs_run"] == EPOCHS
+    assert expected["epoch"] == EPOCHS
     for k in (1, 2):
         path = tmp_path / f"stopped{k}.pt"
         train_in_pool(pools, world, k, "--snapshot", str(path))
-        assert distributed.load_checkpoint(path)["epochs_run"] == k
+        assert distributed.load_checkpoint(path)["epoch"] == k
         train_in_pool(pools, world, EPOCHS, "--snapshot", str(path))
         resumed = distributed.load_checkpoint(path)
         assert_bitwise_equal(resumed["model"], expected["model"], f"model (stopped after {k})")
         assert_bitwise_equal(resumed["optimizer"], expected["optimizer"], f"optimizer (stopped after {k})")
-        assert resumed["epochs_run"] == EPOCHS
+        assert resumed["epoch"] == EPOCHS
 
 
 def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(pools, tmp_path):
@@ -83,14 +83,19 @@ def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(p
         torch.testing.assert_close(moved["model"][key], tensor, rtol=1e-9, atol=1e-9)
 
 
-def test_resume_with_another_global_batch_or_seed_is_a_clear_error(pools, tmp_path):
+def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differs(pools, tmp_path):
+    """A resume with another lr, dtype, seed or global batch would silently train another run."""
     path = tmp_path / "snap.pt"
     train_in_pool(pools, 2, 1, "--snapshot", str(path))
-    with pytest.raises(AssertionError, match="global_batch=128 .* this run has global_batch=64"):
+    with pytest.raises(AssertionError, match=r"global batch \(--batch-size x processes x --grad-accum\): 128 there, "
+                                             r"64 here\..*May change on resume: --epochs"):
         pools.run(1, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--snapshot", str(path)]})
-    with pytest.raises(AssertionError, match="seed=5 .* this run has seed=6"):
-        pools.run(2, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--seed", "6",
-                                             "--snapshot", str(path)]})
+    with pytest.raises(AssertionError, match=r"--seed: 5 there, 6 here; --lr: 0.01 there, 0.5 here; "
+                                             r"--dtype: float32 there, float64 here\. Use its settings"):
+        pools.run(2, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--seed", "6", "--lr", "0.5",
+                                             "--dtype", "float64", "--snapshot", str(path)]})
+    pools.run(2, task_min_ddp, {"argv": [*TRAIN, "2", "--batch-size", "64", "--log-every", "7", "--timeout", "60",
+                                         "--snapshot", str(path)]})  # these may change
 
 
 def test_snapshot_of_another_model_is_a_clear_error(pools, tmp_path):
@@ -124,7 +129,7 @@ def test_snapshot_loads_into_a_plain_model_without_wrapper_prefixes(pools, tmp_p
 
 def test_min_ddp_snapshot_holds_what_an_exact_resume_needs(pools, tmp_path):
     state = distributed.load_checkpoint(_tiny_snapshot(pools, tmp_path))
-    assert {"model", "optimizer", "epochs_run", "rng", "settings"} <= state.keys()
+    assert {"model", "optimizer", "epoch", "batches", "rng", "settings"} <= state.keys()
     assert state["optimizer"]["state"], "momentum buffers are saved"
 
 
