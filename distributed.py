@@ -947,7 +947,7 @@ def _forwarding_stop_signals(processes: list, grace: float):
             with contextlib.suppress(ProcessLookupError):
                 if p.exitcode is None:  # a reaped worker's pid may be someone else's by now
                     os.kill(p.pid, signum)
-        if not deadline.is_alive() and len(received) == 1:
+        if len(received) == 1:
             deadline.start()
 
     previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -153,18 +154,26 @@ def test_signal_to_the_launcher_is_forwarded_and_workers_save_before_it_dies_of_
     model, done = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
     (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert "epoch 1 step 1/16" in wait_for_line(proc, "[global] epoch 1 step 1/16")
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGTERM, err
+    code, out, err = signal_once_printed([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"],
+                                         tmp_path, "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
+    assert code == -signal.SIGTERM, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err and "failed" not in err, err
     assert run_min_ddp(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+
+
+def signal_once_printed(command: list[str], cwd: Path, line: str, send: Callable[[int], None],
+                        timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``command``; once it prints ``line``, ``send(its pid)``; then (exit code, stdout, stderr)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert line in wait_for_line(proc, line), f"{command} never printed {line!r}"
+        send(proc.pid)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
 
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
@@ -201,15 +210,9 @@ SLOW_SAVE = textwrap.dedent('''
 def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole(tmp_path):
     script, path = tmp_path / "slow.py", tmp_path / "snap.pt"
     script.write_text(SLOW_SAVE.format(repo=HERE))
-    proc = subprocess.Popen([sys.executable, str(script), str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert "saved version 1" in wait_for_line(proc, "saved version 1")
-        proc.send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=30)  # the grace is 1 s: killed long before the 60 s save ends
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGUSR1, err
+    code, out, err = signal_once_printed([sys.executable, str(script), str(path)], tmp_path, "saved version 1",
+                                         lambda pid: os.kill(pid, signal.SIGUSR1), timeout=30)  # grace 1 s, save 60 s
+    assert code == -signal.SIGUSR1, err
     assert distributed.load_checkpoint(path) == {"version": 1}
 
 
@@ -219,15 +222,9 @@ def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(u
     snap = tmp_path / "snap.pt"
     flags = [*FLAGS[2:], "--snapshot", str(snap), "--save-model", str(tmp_path / "model.pt")]
     (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    proc = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=2", str(tmp_path / "driver.py"), *flags,
-                             "--log-every", "1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        assert "epoch 1 step 2/16" in wait_for_line(proc, "[global] epoch 1 step 2/16")
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    code, out, err = signal_once_printed(["torchrun", "--standalone", "--nproc_per_node=2", str(tmp_path / "driver.py"),
+                                          *flags, "--log-every", "1"], tmp_path, "[global] epoch 1 step 2/16",
+                                         lambda pid: os.kill(pid, signal.SIGTERM))
     assert "stopped by SIGTERM" in out, out + err
     assert distributed.load_checkpoint(snap)["batches"] > 0
     out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(tmp_path / "driver.py"), *flags],
@@ -243,14 +240,8 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
     flags = [*FLAGS, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
     (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert "epoch 1 step 2/16" in wait_for_line(proc, "[global] epoch 1 step 2/16")
-        os.killpg(proc.pid, signal.SIGUSR1)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    code, out, err = signal_once_printed([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"],
+                                         tmp_path, "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
     assert "stopped by SIGUSR1" in out and "Traceback" not in err, err
     assert run_min_ddp(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
