@@ -1,8 +1,11 @@
-"""pytest's side of the suite: Hypothesis profiles and the worker pools, shared by every test.
+"""pytest's side of the suite: Hypothesis profiles, the worker pools and the local SLURM, shared by every test.
 
 The models, data, tasks and process helpers the tests use are in harness.py.
 """
 from __future__ import annotations
+
+import shutil
+import subprocess
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,3 +30,21 @@ def pytest_configure(config: pytest.Config) -> None:
 def pools() -> WorkerPools:
     """ddp_check's pools: one harness for the user-facing check and this suite."""
     return worker_pools()
+
+
+def slurm_unavailable() -> str | None:
+    """Why SLURM tests cannot run here, or None when a local cluster answers."""
+    if not shutil.which("srun"):
+        return "srun is not installed (CI installs SLURM with `bash .ci/slurm up`)"
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout:
+        return f"no idle SLURM node answers (sinfo: {out.stdout.strip() or out.stderr.strip()}); run `bash .ci/slurm up`"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = slurm_unavailable()
+    if reason:
+        print(f"\nSKIPPING SLURM TESTS: {reason}")
+        pytest.skip(reason)

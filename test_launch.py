@@ -516,24 +516,6 @@ def test_expand_hostlist_rejects_malformed_lists(bad):
         distributed.expand_hostlist(bad)
 
 
-def slurm_unavailable() -> str | None:
-    """Why SLURM tests cannot run here, or None when a local cluster answers."""
-    if not shutil.which("srun"):
-        return "srun is not installed (CI installs SLURM with `bash .ci/slurm up`)"
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0 or "idle" not in out.stdout and "mix" not in out.stdout:
-        return f"no idle SLURM node answers (sinfo: {out.stdout.strip() or out.stderr.strip()}); run `bash .ci/slurm up`"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    reason = slurm_unavailable()
-    if reason:
-        print(f"\nSKIPPING SLURM TESTS: {reason}")
-        pytest.skip(reason)
-
-
 def test_srun_gives_the_bitwise_same_model(slurm, spawn_model, tmp_path):
     path = tmp_path / "model.pt"
     # -c 1: one thread per task (init_process_group honours SLURM_CPUS_PER_TASK), like launch() here.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from test_snapshot import assert_bitwise_equal
 # min_ddp with signals at chosen steps. STOP_AT="rank:step:SIGNAL[:late],...": after its step-th optimizer
 # step of this run, that rank signals itself; ":late" sends it 0.3 s later while every other rank sleeps
 # 0.6 s, so the signal lands while this rank waits inside the next step's gradient all-reduce.
+# SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
+# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
 DRIVER = textwrap.dedent('''
     import os, signal, sys, threading, time
     sys.path.insert(0, {repo!r})
@@ -51,6 +54,8 @@ DRIVER = textwrap.dedent('''
                 time.sleep(0.6)
 
     register_optimizer_step_post_hook(after_step)
+    if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
 
     if __name__ == "__main__":
         min_ddp.main()
@@ -216,7 +221,7 @@ def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole
     assert distributed.load_checkpoint(path) == {"version": 1}
 
 
-@pytest.mark.skipif(not __import__("shutil").which("torchrun"), reason="torchrun is not on PATH")
+@pytest.mark.skipif(not shutil.which("torchrun"), reason="torchrun is not on PATH")
 def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(uninterrupted, tmp_path):
     model, done = uninterrupted
     snap = tmp_path / "snap.pt"
@@ -245,6 +250,85 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
     assert "stopped by SIGUSR1" in out and "Traceback" not in err, err
     assert run_min_ddp(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+
+
+# --- On the real local SLURM (bash .ci/slurm up) -------------------------------------------------
+SBATCH = textwrap.dedent('''\
+    #!/bin/bash
+    #SBATCH --ntasks=2 --cpus-per-task=1 --requeue --open-mode=append
+    srun --kill-on-bad-exit=1 {python} driver.py {flags}
+''')
+
+
+def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
+    """Submit min_ddp as a 2-task batch job that may be requeued; its id."""
+    flags = [*FLAGS[2:], "--snapshot", "snap.pt", "--save-model", "model.pt", "--log-every", "1"]
+    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
+    (tmp_path / "job.sbatch").write_text(SBATCH.format(python=sys.executable, flags=" ".join(flags)))
+    out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm.out", *options,
+                          str(tmp_path / "job.sbatch")], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "SLOW_FIRST_RUN": str(slow_first_run)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
+    """Wait until SLURM no longer lists the job (a requeued job is listed while it waits); its fields."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            raise TimeoutError(f"job {job} still listed after {timeout} s")
+        time.sleep(1)
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bitwise(slurm, uninterrupted,
+                                                                                     tmp_path):
+    """`--time=1 --signal=USR1@50 --requeue`: SLURM's timer (checked every 30 s) sends USR1 to the srun
+    step 10 to 40 s into the run; every rank saves, the primary requeues the job, and the rerun resumes
+    and finishes with the uninterrupted run's model and metrics."""
+    model, done = uninterrupted
+    info = wait_for_job(sbatch(tmp_path, "--time=1", "--signal=USR1@50", slow_first_run=1.5))  # 48 s of steps
+    log = (tmp_path / "slurm.out").read_text()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
+    assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after batch" in log, log
+    assert "resumed from snap.pt" in log and "Traceback" not in log, log
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+    assert done_line(log) == done
+
+
+def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
+    """`scancel JOB` is SIGTERM to every task: they save and the job ends CANCELLED, never requeued
+    (although it was submitted with --requeue); the same command resumes it bitwise."""
+    model, done = uninterrupted
+    job = sbatch(tmp_path, slow_first_run=0.5)
+    log, deadline = tmp_path / "slurm.out", time.monotonic() + 120
+    while "[global] epoch 1 step 2/16" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"job {job} never reached step 2"
+        time.sleep(0.2)
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    info = wait_for_job(job)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log.read_text()
+    assert "stopped by SIGTERM after batch" in log.read_text() and "requeued" not in log.read_text()
+    rerun = ["srun", "-n", "2", "-c", "1", sys.executable, "driver.py", *FLAGS[2:], "--snapshot", "snap.pt",
+             "--save-model", "model.pt"]
+    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "resumed from snap.pt" in out.stdout, out.stderr
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+
+
+def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(slurm, tmp_path):
+    """In a container without scontrol the requeue cannot be asked for: min_ddp says so and every rank
+    exits 75 (EX_TEMPFAIL), the code slurm.conf's RequeueExit=75 requeues on."""
+    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
+    env = {**os.environ, "STOP_AT": "1:3:SIGUSR1", "PATH": str(Path(sys.executable).parent)}  # no scontrol
+    out = subprocess.run([shutil.which("srun"), "-n", "2", "-c", "1", sys.executable, "driver.py", *FLAGS[2:],
+                          "--snapshot", "snap.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 75, out.stderr
+    assert "stopped by SIGUSR1 after batch 3 of epoch 1; saved to snap.pt; could not requeue" in out.stdout
+    assert re.search(r"requeue: scontrol is not on PATH here, so job \d+ is not requeued", out.stderr), out.stderr
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
