@@ -319,7 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot", metavar="PATH", type=writable, help="save training state here; resume if it exists")
     p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
     p.add_argument("--save-steps", type=int, default=0, help="also a snapshot every N optimizer steps; 0: off")
-    p.add_argument("--check-every", type=int, default=20, help="optimizer steps between checks for a stop signal")
+    p.add_argument("--check-every", type=int, default=100,
+                   help="optimizer steps between checks for a stop signal (an all-reduce each): aim for about a second")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--config", metavar="FILE.json", help="settings from JSON; flags override")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
