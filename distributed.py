@@ -712,6 +712,12 @@ def _atomic_save(state: dict, path: str) -> None:
         os.close(directory)
 
 
+def _corrupt(path: str, error: Exception) -> RuntimeError:
+    return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
+                        f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
+
+
+# ------------------------------ Stopping on a signal ----------------------------------------
 class _StopRecorder:
     """stop_requested()'s handler; it lives in the process's signal table, not in a module global. It only
     records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
@@ -722,11 +728,6 @@ class _StopRecorder:
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.received = max(self.received, signum)
-
-
-def _corrupt(path: str, error: Exception) -> RuntimeError:
-    return RuntimeError(f"cannot load the snapshot {path}: it is corrupt or truncated "
-                        f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
 
 
 # ============ The local launcher's supervisor: the processes launch() starts, their signals, =====

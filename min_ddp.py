@@ -39,7 +39,7 @@ FEATURES, CLASSES, TRAIN_SIZE, VAL_SIZE = 32, 10, 16384, 4096
 DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
 LOSS_SUM, CORRECT, SAMPLES = range(3)  # a metrics tensor: sums over samples (never means), summable over ranks
 MAX_REQUEUES = 20  # a job that keeps being stopped is requeued at most this often (SLURM_RESTART_COUNT)
-REQUEUE_EXIT = 75  # EX_TEMPFAIL: a requeue was due but scontrol could not; slurm.conf's RequeueExit=75 can
+REQUEUE_EXIT = 75  # EX_TEMPFAIL: a requeue was due but scontrol failed; RequeueExit=75 in slurm.conf acts on it
 
 
 class SettingsError(ValueError):
@@ -254,8 +254,8 @@ MAY_CHANGE = ("--epochs, --log-every, --timeout, --workers, --save-every, --save
 def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load --snapshot if it exists; return where training is (epoch, batches done in it, their metrics)."""
     device = next(model.parameters()).device
-    at = {"epoch": 0, "batches": 0, "train_loss": float("nan"),
-          "stats": torch.zeros(3, dtype=torch.float64, device=device), "totals": torch.zeros(3, dtype=torch.float64, device=device)}
+    zeros = torch.zeros(3, dtype=torch.float64, device=device)
+    at = {"epoch": 0, "batches": 0, "train_loss": float("nan"), "stats": zeros, "totals": zeros.clone()}
     state = distributed.load_checkpoint(args.snapshot) if args.snapshot else None
     if state is None:
         return at
