@@ -286,11 +286,12 @@ def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
 
 def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bitwise(slurm, uninterrupted,
                                                                                      tmp_path):
-    """`--time=1 --signal=USR1@50 --requeue`: SLURM's timer (checked every 30 s) sends USR1 to the srun
-    step 10 to 40 s into the run; every rank saves, the primary requeues the job, and the rerun resumes
-    and finishes with the uninterrupted run's model and metrics."""
+    """`--time=2 --signal=USR1@50 --requeue`: slurmctld checks every 30 s and signals at its first check
+    with at most 50 + 30 s left, so USR1 reaches the srun step 40 to 70 s into the run (with --time=1 it
+    came at once, before min_ddp had installed its handlers, and killed it); every rank saves, the
+    primary requeues the job, and the rerun resumes and finishes with the uninterrupted run's model."""
     model, done = uninterrupted
-    info = wait_for_job(sbatch(tmp_path, "--time=1", "--signal=USR1@50", slow_first_run=1.5))  # 48 s of steps
+    info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@50", slow_first_run=3))  # 96 s of steps
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
     assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after batch" in log, log
