@@ -1000,31 +1000,39 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) -> str:
     """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
     in a collective, or not (it never reached it), the innermost frames of the user's code first."""
-    fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
-    lines, waits = [], {}
     texts = {**stacks, **{r: report["traceback"] for r, report in reports.items() if report and not stacks.get(r)}}
+    fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
+    lines, waits = [f"Where each rank was when the collective timed out (every stack: {path}):"], {}
     for rank, text in sorted(texts.items()):
-        main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
-        frames = _FRAME.findall(main[0])[:: 1 if stacks.get(rank) else -1]  # innermost first
-        ours = [i for i, (file, _, _) in enumerate(frames) if not _is_library(file)]
-        called = frames[ours[0] - 1][2] if ours and ours[0] > 0 else ""
-        where = " <- ".join(f"{os.path.basename(frames[i][0])}:{frames[i][1]} in {frames[i][2]}" for i in ours[:3])
+        called, frames = _user_frames(text, innermost_first=bool(stacks.get(rank)))
+        where = " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
         if not text:
             lines.append(f"  rank {rank}: did not answer within 1 s (stopped, or blocked in the kernel)")
         elif called in _COLLECTIVES:
-            waits[rank] = (called, frames[ours[0]][:2])
+            waits[rank] = (called, *frames[0][:2])  # the collective, and the user's file and line
             lines.append(f"  rank {rank}: waiting in {called}(), at {where}")
         else:
             lines.append(f"  rank {rank}: not in a collective (it never reached it), at {where}")
-    if len({called for called, _ in waits.values()}) > 1:
+    if len({called for called, *_ in waits.values()}) > 1:
         lines.append("  The ranks wait in different collectives, or in the same ones in a different order: every "
                      "rank must call the same collectives in the same order")
-    if 0 in waits and any(waits.get(r, ("",))[0] != waits[0][0] for r in texts) and _in_primary_only_branch(*waits[0][1]):
-        lines.append(f"  {waits[0][0]}() on rank 0 is a collective inside a primary-only branch (`if is_primary():`):"
+    called, file, line = waits.get(0, ("", "", "0"))
+    if called and any(waits.get(r, ("",))[0] != called for r in texts) and _in_primary_only_branch(file, line):
+        lines.append(f"  {called}() on rank 0 is a collective inside a primary-only branch (`if is_primary():`):"
                      " every rank must call it; move it out of the branch")
-    return "\n".join([f"Where each rank was when the collective timed out (every stack: {path}):", *lines])
+    return "\n".join(lines)
+
+
+def _user_frames(text: str, innermost_first: bool) -> tuple[str, list[tuple[str, str, str]]]:
+    """From a faulthandler dump (innermost first) or a traceback (innermost last), the main thread's
+    frames of the user's code, innermost first, as (file, line, function), and the function the
+    innermost of them called ("" if none)."""
+    main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
+    frames = _FRAME.findall(main[0])[:: 1 if innermost_first else -1]
+    ours = [i for i, (file, _, _) in enumerate(frames) if not _is_library(file)]
+    return (frames[ours[0] - 1][2] if ours and ours[0] > 0 else ""), [frames[i] for i in ours]
 
 
 def _is_library(file: str) -> bool:
