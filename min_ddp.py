@@ -56,13 +56,15 @@ class Stopped(Exception):
 
 def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = distributed.init_process_group(local_rank, world_size, timeout=args.timeout)
+    code = 0
     try:
         train(args, device)
-    except Stopped as stop:
-        distributed.cleanup()  # before exiting: every rank got here, nothing is left to wait for
-        raise SystemExit(stop.code) from None  # a shell's code for the signal; launch() knows it too
+    except Stopped as stop:  # every rank saved the same step: end as normally, then exit with its code
+        code = stop.code  # (cleanup() inside this except would see an exception and, under nccl, skip destroy)
     finally:
         distributed.cleanup()
+    if code:
+        raise SystemExit(code)  # a shell's code for the signal; launch() knows it too
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
