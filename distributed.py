@@ -79,7 +79,7 @@ __all__ = [
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "unwrap",
-    "STOP_SIGNALS", "stop_requested", "requeue",
+    "Checkpointer", "Stopped", "STOP_SIGNALS", "stop_requested", "requeue",
 ]
 
 # gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
@@ -204,10 +204,12 @@ def is_primary() -> bool:
 def cleanup() -> None:
     """Destroy the process group if there is one. Safe to call twice, and without a group."""
     if _has_group():
-        if sys.exception() is not None and dist.get_backend() == "nccl":
+        error = sys.exception()
+        if error is not None and not isinstance(error, Stopped) and dist.get_backend() == "nccl":
             # Called while an error propagates (a `finally:`): destroying waits for NCCL work the other
             # ranks will never finish, and the error would be reported, if ever, as the watchdog's
             # SIGABRT. The process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
+            # A stop (every rank saved the same step) is a normal end.
             return
         # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
         # threads free them after Python is gone and the process aborts ("terminate called without
@@ -375,24 +377,106 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-# ------------------------------ Stopping on a signal, and SLURM's requeue ----------------------
+# ------------------------------ Exact resume, stops on a signal, and SLURM's requeue -------------
 # SLURM sends SIGTERM at the time limit or on scancel (or `#SBATCH --signal`'s USR1/USR2 before the limit),
 # then SIGKILL KillWait (30 s) later; torchrun's agent forwards SIGTERM and SIGKILLs after 30 s.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
+class Checkpointer:
+    """Exact resume and clean stops for your own loop. Construct it on every rank once the group, the
+    model and the optimizer exist (before DDP wraps the model), and call ``step()`` after every
+    optimizer step, on every rank::
+
+        ckpt = distributed.Checkpointer("run.pt", model, optimizer, loader=loader, settings={"lr": lr})
+        for epoch in ckpt.epochs(10):       # from the snapshot's epoch, mid-epoch where it stopped
+            for x, y in loader:             # the sampler's epoch and the samples already done: set
+                ...; optimizer.step()
+                ckpt.step()
+
+        ckpt = distributed.Checkpointer("ckpt.pt", model, optimizer, state=state)  # no epochs, no sampler
+        while ckpt.steps < max_iters:       # state, e.g. {"best_val_loss": 1e9}: restored in place
+            ...; optimizer.step()
+            ckpt.step()
+
+    Construction: if ``path`` exists every rank loads it (weights_only); the ranks must all have found
+    the same snapshot, else every rank fails (it must be on a file system every node sees). A snapshot
+    whose ``settings`` (what defines the run: seed, learning rate...) differ is refused, naming each
+    difference. It restores the model, the optimizer, every rank's CPU and CUDA RNG, the position and
+    ``state`` (numbers, tensors, dicts and lists of them; each rank its own, at another world size rank
+    0's). ``epochs(n)`` snapshots at every epoch's end. ``step()``: a snapshot every ``save_every``
+    steps (0: none), and every ``check_every`` steps one all-reduce asks whether any rank got a stop
+    signal: then every rank saves this step, the primary requeues the job (under SLURM, for the time
+    limit's warning USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most
+    ``max_requeues`` times), and every rank raises Stopped (exit 128 + the signal, 75 if the requeue
+    failed). A mid-epoch snapshot resumes at another number of processes with the same global batch
+    (``loader.batch_size`` x ``grad_accum`` x processes): the same samples in every remaining step.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None, grad_accum: int = 1,
+                 settings: dict | None = None, state: dict | None = None, save_every: int = 0,
+                 check_every: int = 100, max_requeues: int = 20):
+        self.path, self.model, self.optimizer = path and os.fspath(path), unwrap(model), optimizer
+        self.loader, self.grad_accum, self.settings = loader, grad_accum, dict(settings or {})
+        self.state = {} if state is None else state
+        self.save_every, self.check_every, self.max_requeues = save_every, check_every, max_requeues
+        self.epoch = self.steps = self.epoch_steps = 0  # epoch in progress; optimizer steps in all, in it
+        for name, value, low in (("grad_accum", grad_accum, 1), ("save_every", save_every, 0),
+                                 ("check_every", check_every, 1), ("max_requeues", max_requeues, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        _check_weights_only(self.settings, "settings")  # a snapshot must hold them: fail now, not at the save
+        if (saved := _agreed_snapshot(self.path)) is not None:
+            _restore(self, saved)
+        self._resumed_at = self.steps
+        _stop_recorder()  # from now on a stop signal is recorded, not fatal
+
+    def epochs(self, epochs: int) -> Iterator[int]:
+        """The epochs left to train, each with the loader's sampler set (a new shuffle, the samples done)."""
+        sampler = getattr(self.loader, "sampler", None)
+        for self.epoch in range(self.epoch, epochs):
+            if isinstance(sampler, _Sampler):
+                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * _per_step(self), sampler.num_samples))
+            elif self.epoch_steps and self.loader is not None:
+                raise ValueError(f"Checkpointer: the loader's sampler is a {type(sampler).__name__}, which cannot "
+                                 "start mid-epoch; use distributed.data_sampler(...)")
+            yield self.epoch
+            self.epoch, self.epoch_steps = self.epoch + 1, 0
+            if self.path:
+                self.save()
+
+    def step(self) -> None:
+        """After every optimizer step, on all ranks: snapshots, and a stop when any rank got a signal."""
+        self.steps, self.epoch_steps = self.steps + 1, self.epoch_steps + 1
+        if self.path and self.save_every and self.steps % self.save_every == 0:
+            self.save()
+        if self.steps % self.check_every == 0 and (signum := stop_requested()):
+            _stop(self, signum, self._resumed_at)
+
+    def save(self) -> None:
+        """Write the snapshot now (atomically); must be called on all ranks."""
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        ranks = _all_gather_objects({"rng": torch.get_rng_state(), "cuda_rng": cuda, "state": self.state})
+        save_checkpoint({"model": self.model.state_dict(), "steps": self.steps, "epoch": self.epoch,
+                         "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                         "epoch_steps": self.epoch_steps, "global_batch": _per_step(self) * get_world_size(),
+                         "settings": self.settings, "ranks": ranks}, self.path)
+
+
+class Stopped(SystemExit):
+    """Raised on every rank by Checkpointer.step() after a stop signal, once the snapshot is saved: the
+    process exits with ``code`` (128 + the signal, a shell's code; 75 when a due requeue failed, which
+    slurm.conf's RequeueExit=75 can act on) and no traceback. cleanup() and launch() take it as a normal end."""
+
+
 def stop_requested() -> signal.Signals | None:
     """The stop signal (one of STOP_SIGNALS) that any rank has received, or None; the same answer on
     every rank, from one all-reduce. Must be called on all ranks, at the same step boundary: then all
-    of them can save the same step and exit alike. The first call installs handlers (main thread)
-    that only record the signal; until then these signals keep their default effect (death). Of
-    different signals SIGTERM wins (scancel also sends it: not a moment to requeue)."""
-    recorder = signal.getsignal(signal.SIGTERM)
-    if not isinstance(recorder, _StopRecorder):
-        recorder = _StopRecorder()
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, recorder)
-    received = int(reduce(recorder.received, "max"))
+    of them can save the same step and exit alike (Checkpointer.step() does this). The first call (or a
+    Checkpointer) installs handlers (main thread) that only record the signal; until then these signals
+    keep their default effect (death). Of different signals SIGTERM wins (scancel also sends it)."""
+    received = int(reduce(_stop_recorder().received, "max"))
     return signal.Signals(received) if received else None
 
 
@@ -651,12 +735,23 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _all_gather_text(text: str) -> list[str]:
-    """Every rank's string in rank order, as tensors (lengths, then UTF-8 bytes padded to the
-    longest): torch's object collectives pickle through numpy, which torch does not install."""
-    data = list(text.encode())
+    return [data.decode() for data in _all_gather_bytes(text.encode())]
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes in rank order, as tensors (lengths, then the bytes padded to the longest):
+    torch's object collectives pickle through numpy, which torch does not install."""
     lengths = all_gather(len(data)).tolist()
-    rows = all_gather(torch.tensor(data + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
-    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
+    rows = all_gather(torch.tensor(list(data) + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
+    return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths)]
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (what torch.load(weights_only=True) reads: tensors, numbers, containers)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            for data in _all_gather_bytes(buffer.getvalue())]
 
 
 # ------------------------------ Checkpoints --------------------------------------------------
@@ -717,7 +812,11 @@ def _corrupt(path: str, error: Exception) -> RuntimeError:
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
 
 
-# ------------------------------ Stopping on a signal ----------------------------------------
+# ------------------------------ Exact resume and stopping --------------------------------------
+_REQUEUE_EXIT = 75  # EX_TEMPFAIL: a requeue was due but scontrol failed; RequeueExit=75 in slurm.conf acts on it
+_SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
+
+
 class _StopRecorder:
     """stop_requested()'s handler; it lives in the process's signal table, not in a module global. It only
     records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
@@ -728,6 +827,103 @@ class _StopRecorder:
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.received = max(self.received, signum)
+
+
+def _stop_recorder() -> _StopRecorder:
+    """The installed recorder of stop signals; installed now if it is not yet."""
+    recorder = signal.getsignal(signal.SIGTERM)
+    if not isinstance(recorder, _StopRecorder):
+        recorder = _StopRecorder()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, recorder)
+    return recorder
+
+
+def _per_step(ckpt: Checkpointer) -> int:
+    """Samples a rank reads per optimizer step (0 without a loader)."""
+    return (getattr(ckpt.loader, "batch_size", None) or 0) * ckpt.grad_accum
+
+
+def _restore(ckpt: Checkpointer, saved: dict) -> None:
+    _check_resumable(ckpt.path, saved, ckpt.settings, _per_step(ckpt) * get_world_size())
+    try:
+        ckpt.model.load_state_dict(saved["model"])
+        if ckpt.optimizer is not None:
+            ckpt.optimizer.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"the snapshot {ckpt.path} holds another model or optimizer than this script builds "
+                         f"({e}); use another path to start a new run") from e
+    ranks = saved["ranks"]  # at another world size every rank takes rank 0's
+    mine = ranks[get_rank()] if len(ranks) == get_world_size() else ranks[0]
+    torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
+    if mine["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
+    ckpt.state.update(mine["state"])
+    ckpt.epoch, ckpt.steps, ckpt.epoch_steps = saved["epoch"], saved["steps"], saved["epoch_steps"]
+    where = f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}" if ckpt.epoch_steps else \
+        f"after {ckpt.epoch} epoch(s)" if ckpt.loader is not None else f"after step {ckpt.steps}"
+    print_primary(f"resumed from {ckpt.path} {where} (saved at world size {len(ranks)})")
+
+
+def _stop(ckpt: Checkpointer, signum: signal.Signals, resumed_at: int) -> None:
+    """Every rank saves this step, the primary requeues if due, every rank raises Stopped."""
+    if ckpt.path:
+        ckpt.save()
+    # Requeue for the time limit's early warning only (SIGTERM is also scancel), after progress, not forever.
+    wanted = bool(ckpt.path and signum != signal.SIGTERM and ckpt.steps > resumed_at and "SLURM_JOB_ID" in os.environ
+                  and int(os.environ.get("SLURM_RESTART_COUNT", 0)) < ckpt.max_requeues)
+    requeued = bool(reduce(requeue() if wanted else False, "max"))  # only the primary asks
+    where = f"step {ckpt.epoch_steps} of epoch {ckpt.epoch + 1}" if ckpt.loader is not None else f"step {ckpt.steps}"
+    print_primary(f"stopped by {signum.name} after {where}; "
+                  + (f"saved to {ckpt.path}" if ckpt.path else "not saved (no snapshot path)")
+                  + ("; requeued" if requeued else "; could not requeue" if wanted else ""))
+    raise Stopped(_REQUEUE_EXIT if wanted and not requeued else 128 + signum)
+
+
+def _agreed_snapshot(path: str | None) -> dict | None:
+    """The snapshot at ``path`` (None if there is none), the same on every rank, or an error on every
+    rank: one host resuming while another starts fresh would drift silently and hang at the end."""
+    saved, error = None, None
+    try:
+        if path and is_primary() and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise ValueError(f"cannot write snapshots to {path}: its directory is missing or read-only; create it "
+                             "or choose another path (now, not after the first epoch)")
+        saved = load_checkpoint(path) if path else None
+        if saved is not None and (missing := _SNAPSHOT_KEYS - saved.keys()):
+            raise ValueError(f"{path} is not a Checkpointer snapshot (missing: {sorted(missing)}); use another path")
+    except Exception as e:  # every rank must still take part in the agreement below
+        error = e
+    mine = [2 if error else 0 if saved is None else 1, *(saved[k] if saved else 0 for k in ("steps", "epoch"))]
+    views = [tuple(view) for view in all_gather(torch.tensor(mine)).tolist()]
+    if error is not None:
+        raise error
+    if len(set(views)) > 1:
+        found = ("no file", "the snapshot of step {}", "an error (see its message)")
+        seen = "; ".join(f"rank {r}: " + found[kind].format(step) for r, (kind, step, _) in enumerate(views))
+        raise RuntimeError(f"the ranks found different snapshots at {path} ({seen}): every rank must resume the "
+                           "same one. Put the snapshot on a file system every node sees (a shared directory), "
+                           "not on a node's local disk")
+    return saved
+
+
+def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) -> None:
+    """Refuse a snapshot of another run, naming every setting that differs and what may change."""
+    differ = [f"{key}: {saved['settings'].get(key)!r} there, {value!r} here" for key, value in settings.items()
+              if saved["settings"].get(key) != value]
+    differ += [f"{key}: {value!r} there, not given here" for key, value in saved["settings"].items() if key not in settings]
+    if differ:
+        raise ValueError(f"the snapshot {path} belongs to another run: {'; '.join(differ)}. Continue it with its "
+                         "settings, or use another path. May change on resume: anything else (epochs, logging, "
+                         "loader workers...), and the processes and batch size per process (mid-epoch keeping the "
+                         "global batch)")
+    if saved["epoch_steps"] and global_batch != saved["global_batch"]:
+        world, before = get_world_size(), saved["global_batch"]
+        fix = (f"at {world} process(es), batch size x grad_accum = {before // world} per process" if before % world == 0
+               else f"a number of processes that divides {before}")
+        raise ValueError(f"the snapshot {path} stopped in epoch {saved['epoch'] + 1} after step {saved['epoch_steps']} "
+                         f"with a global batch (batch size x grad_accum x processes) of {before} samples, and this run's "
+                         f"is {global_batch}: the rest of the epoch continues only with the same global batch: use "
+                         f"{fix} (at an epoch's end any global batch may resume)")
 
 
 # ============ The local launcher's supervisor: the processes launch() starts, their signals, =====
@@ -853,6 +1049,9 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
     faulthandler.register(_STACK_SIGNAL, open(err_file.replace(".err", ".stack"), "w"), all_threads=True)
     _die_with_parent(parent_pid)
+    # A forkserver child inherits it as the default start method: back to the platform's, as under torchrun
+    # and srun, so DataLoader workers fork from this rank and inherit its stop-signal recorder.
+    multiprocessing.set_start_method(None, force=True)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
@@ -927,7 +1126,8 @@ def _kill_self_when_readable(fd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-_STOP_EXITS = tuple(128 + signum for signum in STOP_SIGNALS)  # how a rank exits after a stop (a shell's code)
+# How a rank exits after a stop: a shell's code for the signal, or 75 when a due requeue failed.
+_STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), _REQUEUE_EXIT)
 
 
 @contextlib.contextmanager

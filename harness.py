@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import os
 import socket
 import subprocess
 import sys
+import textwrap
 from typing import Any
 
 import torch
@@ -229,22 +229,22 @@ def task_identity(spec: dict) -> dict:
 
 
 def task_eval(spec: dict) -> tuple[float, float, float]:
-    """min_ddp's own evaluate() on a prefix of its validation set, sharded with pad=False."""
-    import min_ddp
-    return evaluate_prefix(spec["n"], spec["batch"], min_ddp)
+    """Exact evaluation as the README teaches it, on this rank's pad=False share of spec's float64 data:
+    per-sample losses summed in float64, then one reduce of (loss sum, correct, samples)."""
+    data = TensorDataset(spec["x"], spec["y"])
+    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
+    return evaluate(build_model("mlp", 4, 0), loader)
 
 
-def evaluate_prefix(n: int, batch: int, min_ddp: Any) -> tuple[float, float, float]:
-    """min_ddp.evaluate on its first n validation samples, in float64.
-
-    float64 because a sample's float32 logits change in the last bits with the batch they are in
-    (matmul picks other kernels), and the ranks batch differently than one process does.
-    """
-    torch.manual_seed(0)
-    model = min_ddp.make_model().double()
-    data = min_ddp.make_dataset("val", torch.float64)[:n]
-    loader = DataLoader(data, batch_size=batch, sampler=distributed.data_sampler(data, True, False, pad=False))
-    return min_ddp.evaluate(model, loader)
+def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]:
+    stats = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in loader:
+            logits = model(x)
+            stats += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                                  torch.tensor(len(y))])
+    loss_sum, correct, count = distributed.reduce(stats).tolist()
+    return loss_sum / count, correct, count
 
 
 class CountingDataset(torch.utils.data.Dataset):
@@ -278,6 +278,66 @@ def task_sampler_skip(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Real processes: run a command with a timeout; find what a process tree left behind
 # ---------------------------------------------------------------------------------------------
+
+
+# min_ddp.py run as a command, with the suite's settings: FLOAT64=1 (torch's default dtype, so the data and
+# the model: tight tolerances), TRAIN_SIZE (fewer samples), and STOP_AT="rank:step:SIGNAL[:late],...": after
+# its step-th optimizer step of this run, that rank signals itself; ":late" sends it 0.3 s later while every
+# other rank sleeps 0.6 s, so the signal lands while this rank waits inside the next step's gradient all-reduce.
+# CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
+# SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
+# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed. Spawned ranks run this file's top too.
+MIN_DDP_DRIVER = textwrap.dedent('''
+    import os, signal, sys, threading, time
+    sys.path.insert(0, {repo!r})
+    import min_ddp  # first: it silences torch's warning that numpy is missing
+    import torch
+    import distributed
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if os.environ.get("FLOAT64"):
+        torch.set_default_dtype(torch.float64)
+    min_ddp.TRAIN_SIZE = int(os.environ.get("TRAIN_SIZE", min_ddp.TRAIN_SIZE))
+    PLAN = [item.split(":") for item in os.environ.get("STOP_AT", "").split(",") if item]
+
+    def after_step(optimizer, args, kwargs):
+        optimizer.steps_here = getattr(optimizer, "steps_here", 0) + 1
+        for rank, step, name, *late in PLAN:
+            if int(step) != optimizer.steps_here:
+                continue
+            signum = getattr(signal, name)
+            if int(rank) == distributed.get_rank():
+                send = lambda: os.kill(os.getpid(), signum)
+                threading.Timer(0.3, send).start() if late else send()
+            elif late:
+                time.sleep(0.6)
+
+    register_optimizer_step_post_hook(after_step)
+    if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        rank, step = map(int, os.environ["CRASH_AT"].split(":"))
+        register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and
+                                          optimizer.steps_here == step and os._exit(17))
+    if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
+
+    if __name__ == "__main__":
+        min_ddp.main()
+''')
+
+
+def min_ddp_driver(directory: str | os.PathLike) -> str:
+    """Write the driver into ``directory``; its path."""
+    path = os.path.join(directory, "driver.py")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(MIN_DDP_DRIVER.format(repo=HERE))
+    return path
+
+
+def run_min_ddp(directory: str | os.PathLike, *flags: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    """``python driver.py *flags`` in ``directory``, with ``env`` added (FLOAT64, TRAIN_SIZE, STOP_AT...)."""
+    return subprocess.run([sys.executable, min_ddp_driver(directory), *flags], cwd=directory, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env})
 
 
 def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -316,28 +376,6 @@ def leftover_processes(marker: str) -> list[int]:
         if marker.encode() in environ and not zombie and int(pid) != os.getpid():
             found.append(int(pid))
     return found
-
-
-def task_min_ddp(spec: dict) -> str:
-    """min_ddp's own training loop, in a pool worker, with the given command-line flags; what it printed."""
-    import min_ddp
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        min_ddp.train(min_ddp.parse_args(spec["argv"]), torch.device("cpu"))
-    return out.getvalue()
-
-
-def task_epoch_metrics(spec: dict) -> tuple[float, str]:
-    """min_ddp.train_epoch on this rank's exact shard of spec's float64 data, with a Linear(5, 3) held
-    fixed (lr=0): (the returned global mean loss, what this rank printed)."""
-    import min_ddp
-    data = TensorDataset(spec["x"], spec["y"])
-    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
-    torch.manual_seed(spec["seed"])
-    model = nn.Linear(5, 3).double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        mean_loss = min_ddp.train_epoch(model, loader, optimizer, log_every=spec["log_every"])
-    return mean_loss, out.getvalue()
 
 
 def task_save_ddp_state(spec: dict) -> None:

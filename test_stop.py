@@ -1,9 +1,10 @@
-"""Stopping on a signal and resuming mid-epoch exactly (issue 27), on real processes and signals.
+"""Stopping on a signal and resuming exactly (distributed.Checkpointer), on real processes and signals.
 
 A stop is exact when the resumed run ends with a model bitwise equal to an uninterrupted run's: the
 same steps on the same batches, from the same state. The signals are real: a driver script runs
-min_ddp and, at the optimizer step a test chooses, one rank sends a signal to itself (``STOP_AT``),
-as a scheduler's signal reaching one process of a job would.
+min_ddp (harness.MIN_DDP_DRIVER) and, at the optimizer step a test chooses, one rank sends a signal to
+itself (``STOP_AT``), as a scheduler's signal reaching one process of a job would. A loop of a user's own
+(no epochs, no sampler) and a snapshot that only some ranks see use the Checkpointer directly.
 """
 from __future__ import annotations
 
@@ -24,62 +25,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distributed
-from harness import HERE, examples, task_sampler_skip
+from harness import HERE, examples, min_ddp_driver, run_min_ddp, task_sampler_skip
 from test_snapshot import assert_bitwise_equal
 
-# min_ddp with signals at chosen steps. STOP_AT="rank:step:SIGNAL[:late],...": after its step-th optimizer
-# step of this run, that rank signals itself; ":late" sends it 0.3 s later while every other rank sleeps
-# 0.6 s, so the signal lands while this rank waits inside the next step's gradient all-reduce.
-# SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
-# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
-DRIVER = textwrap.dedent('''
-    import os, signal, sys, threading, time
-    sys.path.insert(0, {repo!r})
-    import min_ddp  # first: it silences torch's warning that numpy is missing
-    import distributed
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    PLAN = [item.split(":") for item in os.environ.get("STOP_AT", "").split(",") if item]
-
-    def after_step(optimizer, args, kwargs):
-        optimizer.steps_here = getattr(optimizer, "steps_here", 0) + 1
-        for rank, step, name, *late in PLAN:
-            if int(step) != optimizer.steps_here:
-                continue
-            signum = getattr(signal, name)
-            if int(rank) == distributed.get_rank():
-                send = lambda: os.kill(os.getpid(), signum)
-                threading.Timer(0.3, send).start() if late else send()
-            elif late:
-                time.sleep(0.6)
-
-    register_optimizer_step_post_hook(after_step)
-    if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-        register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
-
-    if __name__ == "__main__":
-        min_ddp.main()
-''')
-# 2 epochs of 16 steps at world 2; a stop is checked after every step.
-FLAGS = ["--nprocs", "2", "--epochs", "2", "--batch-size", "512", "--seed", "3", "--log-every", "5",
+# 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
+FLAGS = ["--nprocs", "2", "--epochs", "2", "--batch-size", "64", "--seed", "3", "--log-every", "5",
          "--check-every", "1"]
+SETTINGS = {"FLOAT64": "1", "TRAIN_SIZE": "2048"}
 CODES = {"SIGTERM": 143, "SIGUSR1": 138, "SIGUSR2": 140}
 
 
-def run_min_ddp(tmp_path: Path, *flags: str, stop_at: str = "", script: str = "driver.py",
-                timeout: float = 180) -> subprocess.CompletedProcess:
-    driver = tmp_path / "driver.py"
-    if not driver.exists():
-        driver.write_text(DRIVER.format(repo=HERE))
-    return subprocess.run([sys.executable, str(tmp_path / script), *flags], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "STOP_AT": stop_at})
+def run(tmp_path: Path, *flags: str, stop_at: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_min_ddp(tmp_path, *flags, timeout=timeout, STOP_AT=stop_at, **SETTINGS)
+
+
+def driver_command(tmp_path: Path, *flags: str) -> list[str]:
+    return [sys.executable, min_ddp_driver(tmp_path), *flags]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[dict, str]:
     """The reference: the same run, never stopped (its final model, and its last line less the speed)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    out = run_min_ddp(tmp, *FLAGS, "--save-model", str(tmp / "model.pt"))
+    out = run(tmp, *FLAGS, "--save-model", str(tmp / "model.pt"))
     assert out.returncode == 0, out.stderr
     return distributed.load_checkpoint(tmp / "model.pt"), done_line(out.stdout)
 
@@ -90,14 +58,15 @@ def done_line(stdout: str) -> str:
 
 # Each scenario: one STOP_AT per stopped run and what its stop line says; then a last run finishes.
 SCENARIOS = {
-    "at step 0, signal to rank 0": [("0:1:SIGUSR1", "SIGUSR1 after batch 1 of epoch 1")],
-    "mid-epoch, signal to rank 1": [("1:7:SIGTERM", "SIGTERM after batch 7 of epoch 1")],
-    "at an epoch's last step": [("0:16:SIGUSR2", "SIGUSR2 after batch 16 of epoch 1")],
-    "twice within one epoch": [("1:3:SIGUSR1", "SIGUSR1 after batch 3 of epoch 2"),
-                               ("0:4:SIGTERM", "SIGTERM after batch 7 of epoch 2")],
-    "right after a resume": [("0:20:SIGTERM", "SIGTERM after batch 4 of epoch 2"),
-                             ("1:1:SIGUSR1", "SIGUSR1 after batch 5 of epoch 2")],
-    "while one rank waits in the gradient all-reduce": [("1:5:SIGUSR1:late", "SIGUSR1 after batch 8 of epoch 1")],
+    "at step 0, signal to rank 0": [("0:1:SIGUSR1", "SIGUSR1 after step 1 of epoch 1")],
+    "mid-epoch, signal to rank 1": [("1:7:SIGTERM", "SIGTERM after step 7 of epoch 1")],
+    "at an epoch's last step": [("0:16:SIGUSR2", "SIGUSR2 after step 16 of epoch 1")],
+    "twice within one epoch": [("0:16:SIGUSR2", "SIGUSR2 after step 16 of epoch 1"),
+                               ("1:3:SIGUSR1", "SIGUSR1 after step 3 of epoch 2"),
+                               ("0:4:SIGTERM", "SIGTERM after step 7 of epoch 2")],
+    "right after a resume": [("0:20:SIGTERM", "SIGTERM after step 4 of epoch 2"),
+                             ("1:1:SIGUSR1", "SIGUSR1 after step 5 of epoch 2")],
+    "while one rank waits in the gradient all-reduce": [("1:5:SIGUSR1:late", "SIGUSR1 after step 8 of epoch 1")],
 }
 # No stop check after step 5: rank 1 goes straight on to step 6's gradient all-reduce and waits there.
 EXTRA = {"while one rank waits in the gradient all-reduce": ["--check-every", "4"]}
@@ -106,51 +75,170 @@ EXTRA = {"while one rank waits in the gradient all-reduce": ["--check-every", "4
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterrupted, tmp_path, scenario):
     """Every rank stops after the same step whichever rank got the signal, saves, and exits with 128 +
-    the signal's number; running the same command again finishes the run exactly as if never stopped."""
+    the signal's number; running the same command again finishes the run exactly as if never stopped,
+    to the same final metrics."""
     model, done = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt"),
              *EXTRA.get(scenario, [])]
-    stops = SCENARIOS[scenario]
-    if scenario == "twice within one epoch":  # both stops inside epoch 2: first a whole epoch 1
-        stops = [("0:16:SIGUSR2", "SIGUSR2 after batch 16 of epoch 1"), *stops]
-    for stop_at, where in stops:
-        out = run_min_ddp(tmp_path, *flags, stop_at=stop_at)
+    for stop_at, where in SCENARIOS[scenario]:
+        out = run(tmp_path, *flags, stop_at=stop_at)
         assert f"stopped by {where}; saved to {tmp_path / 'snap.pt'}" in out.stdout, out.stdout + out.stderr
         assert out.returncode == CODES[where.split()[0]], out.stderr
         assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr
         assert not (tmp_path / "model.pt").exists(), "a stopped run must not write the final model"
-    out = run_min_ddp(tmp_path, *flags)
+    out = run(tmp_path, *flags)
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
     assert done_line(out.stdout) == done, "the resumed run must report the uninterrupted run's metrics"
 
 
-def test_stop_snapshot_records_the_position_samples_seen_and_every_ranks_rng(tmp_path):
-    out = run_min_ddp(tmp_path, *FLAGS, "--snapshot", str(tmp_path / "snap.pt"), stop_at="1:7:SIGUSR1")
+def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(tmp_path):
+    out = run(tmp_path, *FLAGS, "--snapshot", str(tmp_path / "snap.pt"), stop_at="1:7:SIGUSR1")
     assert out.returncode == 138, out.stderr
     state = distributed.load_checkpoint(tmp_path / "snap.pt")
-    assert (state["epoch"], state["batches"], state["samples_seen"]) == (0, 7, 7 * 512 * 2)
-    assert len(state["rng"]) == 2 and state["stats"].shape == (2, 3)
+    assert (state["epoch"], state["epoch_steps"], state["steps"], state["global_batch"]) == (0, 7, 7, 128)
+    assert [len(rank["rng"]) for rank in state["ranks"]] == [5056, 5056] and state["settings"]["--seed"] == 3
+    assert [int(rank["state"]["unlogged"][2]) for rank in state["ranks"]] == [2 * 64, 2 * 64]  # steps 6 and 7
 
 
-def test_mid_epoch_resume_with_another_world_size_or_batch_is_a_clear_error(tmp_path):
-    """The rest of an epoch is split over the ranks as it began; at an epoch's end either may change."""
+@pytest.mark.parametrize("world, batch", [(1, "128"), (4, "32")])
+def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch(uninterrupted, tmp_path, world,
+                                                                                 batch):
+    """Stopped at world 2 after step 7 (global batch 128), resumed at world 1 x 128 or 4 x 32: the same
+    samples in every remaining step, so the final model equals the uninterrupted world-2 run's up to the
+    order of the gradient sums (float64: rtol 1e-9; a skipped or repeated step moves it by >= 1e-3)."""
+    model, _ = uninterrupted
+    flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
+    assert run(tmp_path, *flags, stop_at="0:7:SIGTERM").returncode == 143
+    flags[1], flags[flags.index("--batch-size") + 1] = str(world), batch
+    out = run(tmp_path, *flags)
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {tmp_path / 'snap.pt'} in epoch 1 after step 7 (saved at world size 2)" in out.stdout
+    assert f"done: world={world} epochs=2" in out.stdout
+    resumed = distributed.load_checkpoint(tmp_path / "model.pt")
+    for key, value in model.items():
+        torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-9)
+
+
+def test_mid_epoch_resume_with_another_global_batch_is_refused_naming_the_numbers_that_continue_it(tmp_path):
     snap = str(tmp_path / "snap.pt")
-    out = run_min_ddp(tmp_path, *FLAGS, "--snapshot", snap, stop_at="0:3:SIGTERM")
-    assert out.returncode == 143, out.stderr
+    assert run(tmp_path, *FLAGS, "--snapshot", snap, stop_at="0:3:SIGTERM").returncode == 143
     other = [*FLAGS, "--snapshot", snap]
-    other[other.index("--nprocs") + 1], other[other.index("--batch-size") + 1] = "1", "1024"
-    out = run_min_ddp(tmp_path, *other)
+    other[1], other[other.index("--batch-size") + 1] = "1", "64"
+    out = run(tmp_path, *other)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert ("inside epoch 1, which must end as it began): the process count: 2 there, 1 here; --batch-size: "
-            "512 there, 1024 here. Use its settings") in out.stderr, out.stderr
+    assert (f"min_ddp: the snapshot {snap} stopped in epoch 1 after step 3 with a global batch (batch size x "
+            "grad_accum x processes) of 128 samples, and this run's is 64: the rest of the epoch continues only "
+            "with the same global batch: use at 1 process(es), batch size x grad_accum = 128 per process") in out.stderr
 
 
 def test_without_snapshot_a_stop_still_ends_every_rank_at_one_step(tmp_path):
-    out = run_min_ddp(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
+    out = run(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
     assert out.returncode == 140, out.stderr
-    assert "stopped by SIGUSR2 after batch 2 of epoch 1; not saved (no --snapshot)" in out.stdout
+    assert "stopped by SIGUSR2 after step 2 of epoch 1; not saved (no snapshot path)" in out.stdout
+
+
+# A user's own loop as nanoGPT writes it: no epochs, no sampler, random batches from each rank's RNG,
+# an iteration counter and the best loss so far; rank 1 signals itself before step STOP (0: never).
+OWN_LOOP = textwrap.dedent('''
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import distributed
+
+    def worker(local_rank, world_size, path, out, stop):
+        distributed.init_process_group(local_rank, world_size)
+        torch.manual_seed(1337 + distributed.get_rank())  # nanoGPT: each rank draws its own batches
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        state = {{"best_loss": float("inf"), "losses": torch.zeros(3, dtype=torch.float64)}}
+        try:
+            ckpt = distributed.Checkpointer(path, model, optimizer, state=state, check_every=1)
+            ddp = DDP(model)
+            while ckpt.steps < 30:
+                x = torch.randn(16, 8, dtype=torch.float64)
+                loss = F.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                state["best_loss"] = min(state["best_loss"], distributed.reduce(loss.detach(), "mean").item())
+                state["losses"] = torch.cat([state["losses"][1:], loss.detach().view(1)])
+                if ckpt.steps + 1 == stop and distributed.get_rank() == 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                ckpt.step()
+            distributed.save_checkpoint({{"model": model.state_dict(), "best": state["best_loss"],
+                                         "losses": state["losses"]}}, out)
+        finally:
+            distributed.cleanup()
+
+    if __name__ == "__main__":
+        distributed.launch(worker, sys.argv[1], sys.argv[2], int(sys.argv[3]), nprocs=2)
+''')
+
+
+def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(tmp_path):
+    """The Checkpointer in a loop of the user's own: the model, AdamW's state, each rank's RNG (its next
+    random batch) and the user's state (the best loss, recent losses) come back; the result is bitwise
+    the uninterrupted run's."""
+    script = tmp_path / "own_loop.py"
+    script.write_text(OWN_LOOP.format(repo=HERE))
+    command = lambda path, out, stop: subprocess.run([sys.executable, str(script), str(tmp_path / path),  # noqa: E731
+                                                     str(tmp_path / out), str(stop)], capture_output=True,
+                                                    text=True, timeout=120)
+    straight = command("never.pt", "straight.pt", 0)
+    assert straight.returncode == 0, straight.stderr
+    stopped = command("snap.pt", "resumed.pt", 12)
+    assert stopped.returncode == 138 and "stopped by SIGUSR1 after step 12; saved to" in stopped.stdout, stopped.stderr
+    assert not (tmp_path / "resumed.pt").exists()
+    resumed = command("snap.pt", "resumed.pt", 0)
+    assert resumed.returncode == 0 and "after step 12 (saved at world size 2)" in resumed.stdout, resumed.stderr
+    expected, got = distributed.load_checkpoint(tmp_path / "straight.pt"), distributed.load_checkpoint(tmp_path / "resumed.pt")
+    assert got["best"] == expected["best"] and torch.equal(got["losses"], expected["losses"])
+    assert_bitwise_equal(got["model"], expected["model"], "final model")
+
+
+NODE_LOCAL = textwrap.dedent('''
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed
+
+    def worker(local_rank, world_size, directory):
+        distributed.init_process_group(local_rank, world_size)
+        model = torch.nn.Linear(2, 1)
+        path = os.path.join(directory, f"node{{distributed.get_rank()}}", "snap.pt")  # each rank's local disk
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            checkpointer = distributed.Checkpointer(path, model, check_every=1)
+            checkpointer.step()
+            checkpointer.save()
+        except RuntimeError:
+            open(os.path.join(directory, f"failed{{distributed.get_rank()}}"), "w").close()
+            raise
+        finally:
+            distributed.cleanup()
+
+    if __name__ == "__main__":
+        distributed.launch(worker, sys.argv[1], nprocs=int(sys.argv[2]))
+''')
+
+
+def test_a_snapshot_that_only_some_ranks_see_fails_every_rank_naming_a_shared_file_system(tmp_path):
+    """Rank 0's node has the snapshot and rank 1's does not (node-local disks): resuming one and starting
+    the other fresh would drift silently, so every rank fails, saying where the snapshot must be."""
+    script = tmp_path / "node_local.py"
+    script.write_text(NODE_LOCAL.format(repo=HERE))
+    one = subprocess.run([sys.executable, str(script), str(tmp_path), "1"], capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0 and (tmp_path / "node0" / "snap.pt").exists(), one.stderr
+    two = subprocess.run([sys.executable, str(script), str(tmp_path), "2"], capture_output=True, text=True, timeout=60)
+    assert two.returncode == 1, two.stderr
+    assert (f"the ranks found different snapshots at {tmp_path / 'node0' / 'snap.pt'} (rank 0: the snapshot of step 1; "
+            "rank 1: no file): every rank must resume the same one. Put the snapshot on a file system every node "
+            "sees") in two.stderr.replace(str(tmp_path / "node1" / "snap.pt"), str(tmp_path / "node0" / "snap.pt"))
+    assert (tmp_path / "failed0").exists() and (tmp_path / "failed1").exists(), "every rank must fail"
 
 
 def test_signal_to_the_launcher_is_forwarded_and_workers_save_before_it_dies_of_it(uninterrupted, tmp_path):
@@ -158,12 +246,11 @@ def test_signal_to_the_launcher_is_forwarded_and_workers_save_before_it_dies_of_
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""
     model, done = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
-    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    code, out, err = signal_once_printed([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"],
-                                         tmp_path, "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
+    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                         "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
     assert code == -signal.SIGTERM, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err and "failed" not in err, err
-    assert run_min_ddp(tmp_path, *flags).returncode == 0
+    assert run(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
@@ -171,7 +258,7 @@ def signal_once_printed(command: list[str], cwd: Path, line: str, send: Callable
                         timeout: float = 60) -> tuple[int, str, str]:
     """Run ``command``; once it prints ``line``, ``send(its pid)``; then (exit code, stdout, stderr)."""
     proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **SETTINGS})
     try:
         assert line in wait_for_line(proc, line), f"{command} never printed {line!r}"
         send(proc.pid)
@@ -226,14 +313,13 @@ def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(u
     model, done = uninterrupted
     snap = tmp_path / "snap.pt"
     flags = [*FLAGS[2:], "--snapshot", str(snap), "--save-model", str(tmp_path / "model.pt")]
-    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    code, out, err = signal_once_printed(["torchrun", "--standalone", "--nproc_per_node=2", str(tmp_path / "driver.py"),
-                                          *flags, "--log-every", "1"], tmp_path, "[global] epoch 1 step 2/16",
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", min_ddp_driver(tmp_path), *flags]
+    code, out, err = signal_once_printed([*torchrun, "--log-every", "1"], tmp_path, "[global] epoch 1 step 2/16",
                                          lambda pid: os.kill(pid, signal.SIGTERM))
     assert "stopped by SIGTERM" in out, out + err
-    assert distributed.load_checkpoint(snap)["batches"] > 0
-    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(tmp_path / "driver.py"), *flags],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
+    out = subprocess.run(torchrun, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, **SETTINGS})
     assert out.returncode == 0, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
@@ -244,11 +330,10 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
     model, done = uninterrupted
     flags = [*FLAGS, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
-    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    code, out, err = signal_once_printed([sys.executable, str(tmp_path / "driver.py"), *flags, "--log-every", "1"],
-                                         tmp_path, "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
+    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                         "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
     assert "stopped by SIGUSR1" in out and "Traceback" not in err, err
-    assert run_min_ddp(tmp_path, *flags).returncode == 0
+    assert run(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
@@ -256,18 +341,17 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
 SBATCH = textwrap.dedent('''\
     #!/bin/bash
     #SBATCH --ntasks=2 --cpus-per-task=1 --requeue --open-mode=append
-    srun --kill-on-bad-exit=1 {python} driver.py {flags}
+    srun --kill-on-bad-exit=1 {command}
 ''')
 
 
 def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
     """Submit min_ddp as a 2-task batch job that may be requeued; its id."""
     flags = [*FLAGS[2:], "--snapshot", "snap.pt", "--save-model", "model.pt", "--log-every", "1"]
-    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    (tmp_path / "job.sbatch").write_text(SBATCH.format(python=sys.executable, flags=" ".join(flags)))
+    (tmp_path / "job.sbatch").write_text(SBATCH.format(command=" ".join(driver_command(tmp_path, *flags))))
     out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm.out", *options,
                           str(tmp_path / "job.sbatch")], capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "SLOW_FIRST_RUN": str(slow_first_run)})
+                         env={**os.environ, **SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run)})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -294,7 +378,7 @@ def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bit
     info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@50", slow_first_run=3))  # 96 s of steps
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
-    assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after batch" in log, log
+    assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after step" in log, log
     assert "resumed from snap.pt" in log and "Traceback" not in log, log
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
     assert done_line(log) == done
@@ -312,10 +396,10 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     subprocess.run(["scancel", job], check=True, timeout=30)
     info = wait_for_job(job)
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log.read_text()
-    assert "stopped by SIGTERM after batch" in log.read_text() and "requeued" not in log.read_text()
-    rerun = ["srun", "-n", "2", "-c", "1", sys.executable, "driver.py", *FLAGS[2:], "--snapshot", "snap.pt",
+    assert "stopped by SIGTERM after step" in log.read_text() and "requeued" not in log.read_text()
+    rerun = ["srun", "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]), "--snapshot", "snap.pt",
              "--save-model", "model.pt"]
-    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, **SETTINGS})
     assert out.returncode == 0 and "resumed from snap.pt" in out.stdout, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
@@ -323,13 +407,26 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
 def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(slurm, tmp_path):
     """In a container without scontrol the requeue cannot be asked for: min_ddp says so and every rank
     exits 75 (EX_TEMPFAIL), the code slurm.conf's RequeueExit=75 requeues on."""
-    (tmp_path / "driver.py").write_text(DRIVER.format(repo=HERE))
-    env = {**os.environ, "STOP_AT": "1:3:SIGUSR1", "PATH": str(Path(sys.executable).parent)}  # no scontrol
-    out = subprocess.run([shutil.which("srun"), "-n", "2", "-c", "1", sys.executable, "driver.py", *FLAGS[2:],
+    env = {**os.environ, **SETTINGS, "STOP_AT": "1:3:SIGUSR1", "PATH": str(Path(sys.executable).parent)}  # no scontrol
+    out = subprocess.run([shutil.which("srun"), "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]),
                           "--snapshot", "snap.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 75, out.stderr
-    assert "stopped by SIGUSR1 after batch 3 of epoch 1; saved to snap.pt; could not requeue" in out.stdout
+    assert "stopped by SIGUSR1 after step 3 of epoch 1; saved to snap.pt; could not requeue" in out.stdout
     assert re.search(r"requeue: scontrol is not on PATH here, so job \d+ is not requeued", out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"check_every": 0}, "check_every must be an integer >= 1, got: 0"),
+    ({"grad_accum": 2.0}, "grad_accum must be an integer >= 1, got: 2.0"),
+    ({"save_every": -1}, "save_every must be an integer >= 0, got: -1"),
+    ({"settings": {"args": object()}}, r"settings\['args'\] is a object, which torch.load\(weights_only=True\) refuses"),
+    ({"path": "/no/such/dir/run.pt"}, "cannot write snapshots to /no/such/dir/run.pt: its directory is missing"),
+])
+def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwargs, message):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises((ValueError, TypeError), match=message):
+        distributed.Checkpointer(kwargs.pop("path", None), torch.nn.Linear(2, 1), **kwargs)
+    assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
