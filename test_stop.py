@@ -154,7 +154,7 @@ OWN_LOOP = textwrap.dedent('''
         torch.manual_seed(1337 + distributed.get_rank())  # nanoGPT: each rank draws its own batches
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        state = {{"best_loss": float("inf"), "losses": torch.zeros(3, dtype=torch.float64)}}
+        state = {{"best_loss": float("inf"), "loss_sum": 0.0, "losses": torch.zeros(3, dtype=torch.float64)}}
         try:
             ckpt = distributed.Checkpointer(path, model, optimizer, state=state, check_every=1)
             ddp = DDP(model)
@@ -164,13 +164,14 @@ OWN_LOOP = textwrap.dedent('''
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                state["best_loss"] = min(state["best_loss"], distributed.reduce(loss.detach(), "mean").item())
+                mean = distributed.reduce(loss.detach(), "mean").item()
+                state["best_loss"], state["loss_sum"] = min(state["best_loss"], mean), state["loss_sum"] + mean
                 state["losses"] = torch.cat([state["losses"][1:], loss.detach().view(1)])
                 if ckpt.steps + 1 == stop and distributed.get_rank() == 1:
                     os.kill(os.getpid(), signal.SIGUSR1)
                 ckpt.step()
             distributed.save_checkpoint({{"model": model.state_dict(), "best": state["best_loss"],
-                                         "losses": state["losses"]}}, out)
+                                         "sum": state["loss_sum"], "losses": state["losses"]}}, out)
         finally:
             distributed.cleanup()
 
@@ -181,7 +182,7 @@ OWN_LOOP = textwrap.dedent('''
 
 def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(tmp_path):
     """The Checkpointer in a loop of the user's own: the model, AdamW's state, each rank's RNG (its next
-    random batch) and the user's state (the best loss, recent losses) come back; the result is bitwise
+    random batch) and the user's state (the best loss, their sum, the last 3) come back; the result is bitwise
     the uninterrupted run's."""
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP.format(repo=HERE))
@@ -196,7 +197,7 @@ def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(
     resumed = command("snap.pt", "resumed.pt", 0)
     assert resumed.returncode == 0 and "after step 12 (saved at world size 2)" in resumed.stdout, resumed.stderr
     expected, got = distributed.load_checkpoint(tmp_path / "straight.pt"), distributed.load_checkpoint(tmp_path / "resumed.pt")
-    assert got["best"] == expected["best"] and torch.equal(got["losses"], expected["losses"])
+    assert (got["best"], got["sum"]) == (expected["best"], expected["sum"]) and torch.equal(got["losses"], expected["losses"])
     assert_bitwise_equal(got["model"], expected["model"], "final model")
 
 
