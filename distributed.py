@@ -50,6 +50,7 @@ import io
 import itertools
 import linecache
 import multiprocessing.connection
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import pickle
@@ -830,12 +831,22 @@ class _StopRecorder:
 
 
 def _stop_recorder() -> _StopRecorder:
-    """The installed recorder of stop signals; installed now if it is not yet."""
+    """The installed recorder of stop signals; installed now if it is not yet. DataLoader workers forked
+    from this process inherit it; where they come from a forkserver (Python 3.14's default on Linux), it is
+    started now with the signals blocked, so that a signal to the whole process group kills neither it nor
+    them (its death would end every worker) before this rank saves."""
     recorder = signal.getsignal(signal.SIGTERM)
     if not isinstance(recorder, _StopRecorder):
         recorder = _StopRecorder()
         for signum in STOP_SIGNALS:
             signal.signal(signum, recorder)
+        # The first of get_all_start_methods() is the default (forkserver from Python 3.14 on Linux).
+        if (multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]) == "forkserver":
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return recorder
 
 
@@ -1133,8 +1144,8 @@ _STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), _REQUEUE_EXIT)
 @contextlib.contextmanager
 def _forwarding_stop_signals(processes: list, grace: float):
     """While the workers run, a stop signal goes on to each of them, and SIGKILL ``grace`` seconds after
-    the first; yields the list of signals received. Afterwards the launcher dies of the first one, as
-    its sender expects (exit code 128 + its number)."""
+    the first; yields the list of signals received. Afterwards, unless a rank failed, the launcher dies
+    of the first one, as its sender expects (exit code 128 + its number)."""
     if threading.current_thread() is not threading.main_thread():
         yield []  # signal handlers can only be installed in the main thread
         return
@@ -1158,8 +1169,9 @@ def _forwarding_stop_signals(processes: list, grace: float):
         deadline.cancel()
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        if received:  # dying of a signal skips interpreter exit, which removes the forkserver's socket dir
-            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
+        # A rank that raised is the root cause, signal or not: its error propagates instead of the signal.
+        if received and sys.exception() is None:
+            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
             signal.raise_signal(received[0])
 
 
@@ -1200,19 +1212,27 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) -> str:
     """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
     in a collective, or not (it never reached it), the innermost frames of the user's code first."""
-    texts = {**stacks, **{r: report["traceback"] for r, report in reports.items() if report and not stacks.get(r)}}
+    texts, stacked = {}, set()  # stacked: the ranks placed by a live stack (innermost first)
+    for rank in sorted(stacks.keys() | {r for r, report in reports.items() if report}):
+        stack, tb = stacks.get(rank, ""), (reports.get(rank) or {}).get("traceback", "")
+        # A rank caught exiting after its own timeout has no frame of the user's left: its traceback places it.
+        if stack and (not tb or _user_frames(stack, True)[1]):
+            stacked.add(rank)
+        texts[rank] = stack if rank in stacked else tb
     fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
     lines, waits = [f"Where each rank was when the collective timed out (every stack: {path}):"], {}
     for rank, text in sorted(texts.items()):
-        called, frames = _user_frames(text, innermost_first=bool(stacks.get(rank)))
+        called, frames = _user_frames(text, innermost_first=rank in stacked)
         where = " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
         if not text:
             lines.append(f"  rank {rank}: did not answer within 1 s (stopped, or blocked in the kernel)")
         elif called in _COLLECTIVES:
             waits[rank] = (called, *frames[0][:2])  # the collective, and the user's file and line
             lines.append(f"  rank {rank}: waiting in {called}(), at {where}")
+        elif not frames:
+            lines.append(f"  rank {rank}: exiting, past your code (none of its frames is yours)")
         else:
             lines.append(f"  rank {rank}: not in a collective (it never reached it), at {where}")
     if len({called for called, *_ in waits.values()}) > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -225,7 +226,8 @@ def task_reduce(spec: dict) -> dict:
 
 def task_identity(spec: dict) -> dict:
     return {"rank": distributed.get_rank(), "world": distributed.get_world_size(),
-            "primary": distributed.is_primary(), "mode": distributed.launch_mode()}
+            "primary": distributed.is_primary(), "mode": distributed.launch_mode(),
+            "start_method": multiprocessing.get_start_method(allow_none=True)}
 
 
 def task_eval(spec: dict) -> tuple[float, float, float]:
@@ -284,11 +286,12 @@ def task_sampler_skip(spec: dict) -> dict:
 # the model: tight tolerances), TRAIN_SIZE (fewer samples), and STOP_AT="rank:step:SIGNAL[:late],...": after
 # its step-th optimizer step of this run, that rank signals itself; ":late" sends it 0.3 s later while every
 # other rank sleeps 0.6 s, so the signal lands while this rank waits inside the next step's gradient all-reduce.
+# START_METHOD: multiprocessing's default start method inside each rank (forkserver: Python 3.14's).
 # CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
 # SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
 # training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed. Spawned ranks run this file's top too.
 MIN_DDP_DRIVER = textwrap.dedent('''
-    import os, signal, sys, threading, time
+    import multiprocessing, os, signal, sys, threading, time
     sys.path.insert(0, {repo!r})
     import min_ddp  # first: it silences torch's warning that numpy is missing
     import torch
@@ -313,6 +316,12 @@ MIN_DDP_DRIVER = textwrap.dedent('''
                 time.sleep(0.6)
 
     register_optimizer_step_post_hook(after_step)
+    if os.environ.get("START_METHOD"):  # e.g. forkserver, Python 3.14's default: set in the rank, as it would be
+        train = min_ddp.train
+        def forced(args, device):
+            multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
+            train(args, device)
+        min_ddp.train = forced
     if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         rank, step = map(int, os.environ["CRASH_AT"].split(":"))
         register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and

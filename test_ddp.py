@@ -25,7 +25,7 @@ import uuid
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
@@ -305,6 +305,8 @@ def test_exactly_one_primary_and_ranks_are_distinct(pools, world):
     assert [r["primary"] for r in results].count(True) == 1 and results[0]["primary"]
     assert [r["rank"] for r in results] == list(range(world))
     assert {r["world"] for r in results} == {world} and {r["mode"] for r in results} == {"spawn"}
+    # As under torchrun and srun: none chosen (the platform's), not the forkserver that started the rank.
+    assert {r["start_method"] for r in results} == {None}
 
 
 def test_helpers_behave_as_one_process_before_init():

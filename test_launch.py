@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -77,7 +78,8 @@ JOB = textwrap.dedent('''
         timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
         if os.environ.get("JOB_THREAD"):
             threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-        dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs)
+        dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs,
+                    grace=float(os.environ.get("GRACE", 25)))
 ''')
 
 # launch() starts every worker from its forkserver, whether or not the launcher has threads (numpy's
@@ -722,7 +724,7 @@ def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, t
     """`timeout 60 python train.py`: GNU timeout sends SIGTERM to the launcher, then to its process group.
     The second one interrupted launch()'s cleanup and left its temporary directory behind. Here the
     workers ignore SIGTERM, so the cleanup waits its grace period and the second signal lands inside it."""
-    j = job("ignore-sigterm", "0", "2", env={"TMPDIR": str(tmp_path / "tmp")})
+    j = job("ignore-sigterm", "0", "2", env={"TMPDIR": str(tmp_path / "tmp"), "GRACE": "2"})  # then SIGKILL
     (tmp_path / "tmp").mkdir()
     j.wait_ready(2)
     os.kill(j.proc.pid, signal.SIGTERM)
@@ -737,7 +739,7 @@ def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, t
 @pytest.mark.skipif(not shutil.which("timeout"), reason="GNU timeout is missing")
 def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, tmp_path):
     j = job(command=["timeout", "-s", "TERM", "4", sys.executable, "job.py", "ignore-sigterm", "0", "2"],
-            env={"TMPDIR": str(tmp_path / "tmp")})
+            env={"TMPDIR": str(tmp_path / "tmp"), "GRACE": "2"})
     (tmp_path / "tmp").mkdir()
     code, out, err = j.finish(timeout=60)
     assert code == 124, err  # timeout's own code: the command was stopped by it
@@ -779,6 +781,24 @@ def test_the_usage_examples_run_as_written(tmp_path, source, last_line, processe
 # ---------------------------------------------------------------------------------------------
 # 11. A hang names the stuck rank and where it is
 # ---------------------------------------------------------------------------------------------
+
+
+def test_the_hang_report_places_a_rank_caught_exiting_by_its_traceback():
+    """Rank 1 timed out in barrier() and was exiting (threading._shutdown) when its stack was read: that
+    stack holds none of the user's frames, so its traceback places it; with no traceback it is "exiting"."""
+    user = "/home/me/train.py"
+    stack = lambda *frames: "Thread 0x1 (most recent call first):\n" + "".join(  # noqa: E731
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
+    rank0 = stack((distributed.__file__, 270, "reduce"), (user, 30, "main_worker"))
+    exiting = stack((threading.__file__, 1590, "_shutdown"))
+    traceback = (f'Traceback (most recent call last):\n  File "{user}", line 40, in main_worker\n    barrier()\n'
+                 f'  File "{distributed.__file__}", line 300, in barrier\n    dist.barrier()\n'
+                 "RuntimeError: Timed out waiting for peers\n")
+    report = distributed._where_ranks_are({0: rank0, 1: exiting}, {0: None, 1: {"traceback": traceback}})
+    assert "rank 0: waiting in reduce(), at train.py:30 in main_worker" in report, report
+    assert "rank 1: waiting in barrier(), at train.py:40 in main_worker" in report, report
+    report = distributed._where_ranks_are({0: rank0, 1: exiting}, {0: None, 1: None})
+    assert "rank 1: exiting, past your code (none of its frames is yours)" in report and "never reached" not in report
 
 
 def line_of(tmp_path: Path, text: str) -> int:

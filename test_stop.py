@@ -56,16 +56,15 @@ def done_line(stdout: str) -> str:
     return re.sub(r" samples_per_s=\d+", "", stdout.strip().splitlines()[-1])
 
 
-# Each scenario: one STOP_AT per stopped run and what its stop line says; then a last run finishes.
+# Each scenario: one STOP_AT per stopped run and what its stop line says; then a last run finishes. One
+# chain of stops shares the reference and a final run: each stop must resume exactly for it to end bitwise.
 SCENARIOS = {
-    "at step 0, signal to rank 0": [("0:1:SIGUSR1", "SIGUSR1 after step 1 of epoch 1")],
-    "mid-epoch, signal to rank 1": [("1:7:SIGTERM", "SIGTERM after step 7 of epoch 1")],
-    "at an epoch's last step": [("0:16:SIGUSR2", "SIGUSR2 after step 16 of epoch 1")],
-    "twice within one epoch": [("0:16:SIGUSR2", "SIGUSR2 after step 16 of epoch 1"),
-                               ("1:3:SIGUSR1", "SIGUSR1 after step 3 of epoch 2"),
-                               ("0:4:SIGTERM", "SIGTERM after step 7 of epoch 2")],
-    "right after a resume": [("0:20:SIGTERM", "SIGTERM after step 4 of epoch 2"),
-                             ("1:1:SIGUSR1", "SIGUSR1 after step 5 of epoch 2")],
+    "at the first step, right after a resume, at an epoch's last step, twice in one epoch": [
+        ("0:1:SIGUSR1", "SIGUSR1 after step 1 of epoch 1"),            # at the first step, to rank 0
+        ("1:1:SIGTERM", "SIGTERM after step 2 of epoch 1"),            # right after a resume, to rank 1
+        ("0:14:SIGUSR2", "SIGUSR2 after step 16 of epoch 1"),          # at an epoch's last step
+        ("1:3:SIGUSR1", "SIGUSR1 after step 3 of epoch 2"),            # twice within one epoch
+        ("0:4:SIGTERM", "SIGTERM after step 7 of epoch 2")],
     "while one rank waits in the gradient all-reduce": [("1:5:SIGUSR1:late", "SIGUSR1 after step 8 of epoch 1")],
 }
 # No stop check after step 5: rank 1 goes straight on to step 6's gradient all-reduce and waits there.
@@ -309,6 +308,37 @@ def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole
     assert distributed.load_checkpoint(path) == {"version": 1}
 
 
+FAILS_AFTER_STOP = textwrap.dedent('''
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import distributed
+
+    def worker(local_rank, world_size):
+        distributed.init_process_group(local_rank, world_size)
+        distributed.stop_requested()  # the handlers are in place before the test signals
+        distributed.print_primary("ready")
+        while not distributed.stop_requested():
+            time.sleep(0.05)
+        if distributed.get_rank() == 1:  # saving after the stop fails
+            raise OSError(28, "No space left on device")
+        raise distributed.Stopped(143)  # rank 0 saved and stops as asked
+
+    if __name__ == "__main__":
+        distributed.launch(worker, nprocs=2)
+''')
+
+
+def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(tmp_path):
+    """SIGTERM to the launcher, then rank 1 fails to save: the launcher reports rank 1's OSError and exits 1,
+    instead of dying of SIGTERM in silence while the user believes the snapshot was written."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_AFTER_STOP.format(repo=HERE))
+    code, out, err = signal_once_printed([sys.executable, str(script)], tmp_path, "ready",
+                                         lambda pid: os.kill(pid, signal.SIGTERM))
+    assert code == 1, err
+    assert "OSError: [Errno 28] No space left on device" in err and "[rank 1] failed first" in err, err
+
+
 @pytest.mark.skipif(not shutil.which("torchrun"), reason="torchrun is not on PATH")
 def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(uninterrupted, tmp_path):
     model, done = uninterrupted
@@ -325,17 +355,33 @@ def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(u
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
-def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted, tmp_path):
-    """SLURM and shells signal every process of the job: with --workers 2 the loader workers must
-    not die of it before the ranks finish their step and save."""
-    model, done = uninterrupted
-    flags = [*FLAGS, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
+@pytest.fixture(scope="module")
+def uninterrupted_8_epochs(tmp_path_factory) -> dict:
+    """8 epochs of 16 steps: the stop check at min_ddp's default --check-every (100) comes in epoch 7."""
+    tmp = tmp_path_factory.mktemp("uninterrupted8")
+    out = run(tmp, *FLAGS[:-2], "--epochs", "8", "--save-model", str(tmp / "model.pt"))
+    assert out.returncode == 0, out.stderr
+    return distributed.load_checkpoint(tmp / "model.pt")
+
+
+@pytest.mark.parametrize("start_method", ["", "forkserver"], ids=["platform-default", "forkserver-as-python-3.14"])
+def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted_8_epochs, tmp_path,
+                                                                        start_method):
+    """SLURM and shells signal every process of the job: with --workers 2 the loader workers must not die
+    of it, though the ranks keep fetching batches for 98 more steps until the check at step 100. Under a
+    forkserver (Python 3.14's default) they are its children: its death would end them."""
+    flags = [*FLAGS[:-2], "--epochs", "8", "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
-    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                         "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
-    assert "stopped by SIGUSR1" in out and "Traceback" not in err, err
+    os.environ["START_METHOD"] = start_method  # signal_once_printed passes os.environ on
+    try:
+        code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                             "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
+    finally:
+        del os.environ["START_METHOD"]
+    assert "stopped by SIGUSR1 after step 4 of epoch 7" in out and code == -signal.SIGUSR1, err
+    assert "Traceback" not in err, err
     assert run(tmp_path, *flags).returncode == 0
-    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), uninterrupted_8_epochs, "final model")
 
 
 # --- On the real local SLURM (bash .ci/slurm up) -------------------------------------------------
