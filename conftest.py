@@ -4,8 +4,17 @@ The models, data, tasks and process helpers the tests use are in harness.py.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+
+# The suite proves DDP on CPU processes: where GPUs are visible they are hidden from it and from every process
+# it starts (else ranks would take nccl), unless DDP_GPU_TESTS=1 asks for test_gpu.py, which then runs alone.
+GPU_TESTS = os.environ.get("DDP_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+collect_ignore = [name for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+                  if name.startswith("test_") and name.endswith(".py") and GPU_TESTS and name != "test_gpu.py"]
 
 import pytest
 from hypothesis import HealthCheck, settings

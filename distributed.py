@@ -266,7 +266,8 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
         raise ValueError(f"reduce: unknown op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
     tensor = torch.as_tensor(value)
     out_dtype = _reduce_dtype(tensor.dtype, op)
-    result = tensor.detach().to(dtype=_wire_dtype(out_dtype), copy=True)
+    # A copy, contiguous: NCCL refuses a strided tensor (x.T, preds[:, 0]) that gloo takes.
+    result = tensor.detach().to(dtype=_wire_dtype(out_dtype), memory_format=torch.contiguous_format, copy=True)
     if get_world_size() > 1:
         wire = result.to(_wire_device(dist.get_backend(), result.device))
         dist.all_reduce(wire, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
@@ -285,8 +286,7 @@ def all_gather(value: torch.Tensor | float | int) -> torch.Tensor:
     tensor = torch.as_tensor(value).detach()
     if get_world_size() == 1:
         return tensor.unsqueeze(0).clone()
-    wire = tensor.to(_wire_device(dist.get_backend(), tensor.device), _wire_dtype(tensor.dtype),
-                     memory_format=torch.contiguous_format)
+    wire = tensor.to(_wire_device(dist.get_backend(), tensor.device), _wire_dtype(tensor.dtype)).contiguous()
     parts = [torch.empty_like(wire) for _ in range(get_world_size())]
     dist.all_gather(parts, wire)
     return torch.stack(parts).to(tensor.device, tensor.dtype)
@@ -616,12 +616,19 @@ def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
     """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
     if local_rank < gpus:
         return local_rank
-    if not nccl or gpus == 1 and mode == "slurm":  # srun --gpus-per-task=1: each task sees its GPU as cuda:0
-        return local_rank % gpus
+    if not nccl or gpus == 1 and mode == "slurm" and _slurm_task_has_own_gpu(local_rank):
+        return local_rank % gpus  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
     raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
                        "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
                        f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
                        "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+
+
+def _slurm_task_has_own_gpu(local_rank: int) -> bool:
+    """Whether SLURM bound a GPU to each task: --gres=gpu:1 with 2 tasks shows both the same one (NCCL then
+    dies with "Duplicate GPU detected")."""
+    step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
+    return "SLURM_GPUS_PER_TASK" in os.environ or len(step_gpus) > local_rank
 
 
 def _slurm_threads() -> int:

@@ -402,5 +402,28 @@ def task_save_expecting_error(spec: dict) -> str:
     return "no error"
 
 
+def task_wire_contiguity(spec: dict) -> dict:
+    """reduce(x.T) and all_gather(preds[:, 0]), with torch.distributed's all_reduce and all_gather wrapped
+    to record whether each tensor they are handed is contiguous (NCCL refuses one that is not, gloo takes it;
+    the real collectives still run)."""
+    seen, real = [], (torch.distributed.all_reduce, torch.distributed.all_gather)
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(("all_reduce", tensor.is_contiguous()))
+        return real[0](tensor, *args, **kwargs)
+
+    def all_gather(parts, tensor, *args, **kwargs):
+        seen.append(("all_gather", tensor.is_contiguous() and all(p.is_contiguous() for p in parts)))
+        return real[1](parts, tensor, *args, **kwargs)
+    torch.distributed.all_reduce, torch.distributed.all_gather = all_reduce, all_gather
+    try:
+        rank = distributed.get_rank()
+        reduced = distributed.reduce(torch.arange(6.0).reshape(2, 3).T + rank)
+        gathered = distributed.all_gather(torch.arange(6.0).reshape(3, 2)[:, 0] + rank)
+    finally:
+        torch.distributed.all_reduce, torch.distributed.all_gather = real
+    return {"seen": seen, "reduced": reduced, "gathered": gathered}
+
+
 def task_all_gather(spec: dict) -> torch.Tensor:
     return distributed.all_gather(spec["values"][distributed.get_rank()])

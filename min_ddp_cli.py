@@ -4,6 +4,8 @@ import argparse
 import json
 import os
 
+import torch
+
 
 class SettingsError(ValueError):
     """A setting this run cannot use: reported in one line, without a traceback."""
@@ -42,6 +44,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     for name, value in vars(args).items():
         if name in POSITIVE and value is not None and not (value >= 0 if name == "workers" else value > 0):
             p.error(f"--{name.replace('_', '-')} must be {'>=' if name == 'workers' else '>'} 0, got: {value}")
+    if problem := too_many_processes(args.nprocs, torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        p.error(problem)
     if args.print_config:  # like --help: print, then exit
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("config", "print_config")}, indent=2))
         p.exit()
@@ -58,3 +62,12 @@ def writable(path: str) -> str:
         raise argparse.ArgumentTypeError(f"{path} is a directory, or {directory} is missing or read-only; name a "
                                          "file in a writable directory (create it first)")
     return path
+
+
+def too_many_processes(nprocs: int | None, gpus: int) -> str | None:
+    """What is wrong with --nprocs on a machine with ``gpus`` visible GPUs (NCCL takes one process per GPU)."""
+    if nprocs and gpus and nprocs > gpus:
+        return (f"--nprocs {nprocs} but {gpus} GPU(s) are visible, and NCCL takes one process per GPU: run "
+                f"`python min_ddp.py` for every GPU, or `CUDA_VISIBLE_DEVICES= python min_ddp.py --nprocs {nprocs}` "
+                "for CPU processes")
+    return None

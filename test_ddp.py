@@ -33,7 +33,7 @@ import distributed
 import min_ddp_cli
 from harness import (CLASSES, FEATURES, HERE, build_data, build_model, check_training, examples, grad_vector,
                       leftover_processes, loss_fn, one_thread, run_script, task_all_gather, task_eval, task_grads,
-                      task_identity, task_reduce, task_sampler)
+                      task_identity, task_reduce, task_sampler, task_wire_contiguity)
 
 RTOL = ATOL = 1e-9
 
@@ -204,6 +204,15 @@ def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, 
         assert torch.equal(result, torch.stack(values))
 
 
+def test_collectives_hand_torch_distributed_contiguous_tensors_whatever_the_input(pools):
+    """`reduce(x.T)` and `all_gather(preds[:, 0])` are strided views: NCCL raises "Tensors must be contiguous"
+    on them, on GPUs only, because gloo takes them. What goes on the wire must be contiguous."""
+    for rank, got in enumerate(pools.run(2, task_wire_contiguity, {})):
+        assert got["seen"] == [("all_reduce", True), ("all_gather", True)], got["seen"]
+        assert torch.equal(got["reduced"], 2 * torch.arange(6.0).reshape(2, 3).T + 1)
+        assert torch.equal(got["gathered"], torch.tensor([[0.0, 2, 4], [1, 3, 5]]))
+
+
 def test_reduce_accepts_python_numbers(pools):
     results = pools.run(2, task_reduce, {"values": [3, 4], "op": "sum"})
     assert all(torch.equal(r["result"], torch.tensor(7)) for r in results)
@@ -307,6 +316,21 @@ def test_exactly_one_primary_and_ranks_are_distinct(pools, world):
     assert {r["world"] for r in results} == {world} and {r["mode"] for r in results} == {"spawn"}
     # As under torchrun and srun: none chosen (the platform's), not the forkserver that started the rank.
     assert {r["start_method"] for r in results} == {None}
+
+
+def test_the_cpu_suite_hides_the_gpus_from_itself_and_every_process_it_starts():
+    """Where GPUs are visible, the suite's ranks would take nccl and `--nprocs 2` would be refused on one GPU:
+    conftest.py hides them (CUDA_VISIBLE_DEVICES=) from pytest and every process it starts."""
+    child = run_script(["-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                              "torch.cuda.is_available())"], timeout=60)
+    assert child.stdout.split() == ["''", "False"], child.stderr
+
+
+def test_the_gpu_tests_run_only_when_asked_for_and_then_alone():
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                               cwd=HERE, capture_output=True, text=True, timeout=120, env={**os.environ, "DDP_GPU_TESTS": "1"})
+    assert {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line} == {"test_gpu.py"}, \
+        collected.stdout[-2000:]
 
 
 def test_helpers_behave_as_one_process_before_init():
@@ -437,6 +461,16 @@ def test_launch_rejects_a_lambda_before_starting_anything():
 def test_min_ddp_rejects_non_positive_settings(flag, value):
     out = run_script(["min_ddp.py", flag, value], timeout=60)
     assert out.returncode == 2 and f"got: {value}" in out.stderr and flag in out.stderr
+
+
+@pytest.mark.parametrize("nprocs, gpus, refused", [(2, 1, True), (4, 2, True), (2, 2, False), (None, 1, False),
+                                                   (2, 0, False)])
+def test_min_ddp_more_processes_than_gpus_is_one_line_naming_both_ways_out(nprocs, gpus, refused):
+    """On a 1-GPU machine `--nprocs 2` was a ValueError traceback from launch(); parse_args says it in one line."""
+    problem = min_ddp_cli.too_many_processes(nprocs, gpus)
+    assert (problem is not None) == refused
+    assert not refused or (f"--nprocs {nprocs} but {gpus} GPU(s) are visible" in problem and "`python min_ddp.py`"
+                           in problem and f"`CUDA_VISIBLE_DEVICES= python min_ddp.py --nprocs {nprocs}`" in problem)
 
 
 def test_min_ddp_config_file_and_flags_override(tmp_path):

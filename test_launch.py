@@ -652,15 +652,23 @@ def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path)
     assert "[rank 0] mode=single world=1" in text and "[rank 1]" not in text, text
 
 
-@pytest.mark.parametrize("local_rank, gpus, mode, nccl, index", [
-    (1, 2, "torchrun", True, 1), (0, 1, "torchrun", True, 0),
-    (1, 1, "slurm", True, 0),        # srun --gpus-per-task=1: every task sees its own GPU as cuda:0
-    (1, 1, "torchrun", False, 0),    # gloo with CUDA tensors may share a GPU
-    (3, 2, "slurm", False, 1),
-    (1, 1, "torchrun", True, None), (2, 2, "slurm", True, None), (4, 4, "spawn", True, None),
+@pytest.mark.parametrize("local_rank, gpus, mode, nccl, env, index", [
+    (1, 2, "torchrun", True, {}, 1), (0, 1, "torchrun", True, {}, 0),
+    (1, 1, "slurm", True, {"SLURM_GPUS_PER_TASK": "1"}, 0),  # srun --gpus-per-task=1: its own GPU as cuda:0
+    (1, 1, "slurm", True, {"SLURM_STEP_GPUS": "0,1"}, 0),   # a GPU per task of the step, each bound to one
+    (1, 1, "slurm", True, {"SLURM_STEP_GPUS": "0"}, None),  # --gres=gpu:1 --ntasks-per-node=2: one GPU shared
+    (1, 1, "slurm", True, {}, None),
+    (1, 1, "torchrun", False, {}, 0),    # gloo with CUDA tensors may share a GPU
+    (3, 2, "slurm", False, {}, 1),
+    (1, 1, "torchrun", True, {}, None), (2, 2, "slurm", True, {}, None), (4, 4, "spawn", True, {}, None),
 ])
-def test_more_local_ranks_than_gpus_under_nccl_is_an_error_naming_the_fix(local_rank, gpus, mode, nccl, index):
+def test_more_local_ranks_than_gpus_under_nccl_is_an_error_naming_the_fix(monkeypatch, local_rank, gpus, mode, nccl,
+                                                                          env, index):
     """NCCL refuses two ranks on one GPU with its own message: ours says what to change, before NCCL starts."""
+    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     if index is None:
         with pytest.raises(RuntimeError, match=rf"local rank {local_rank} has no GPU of its own: this process sees "
                                                rf"{gpus} GPU.*--nproc_per_node={gpus}.*CUDA_VISIBLE_DEVICES="):
