@@ -991,7 +991,7 @@ class _Workers:
                 if self.processes[rank].exitcode != 0 and not stopped:
                     seen_at, reports = time.time(), filter(None, map(self._report, range(len(self.processes))))
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
-                    timed_out = self.processes[rank].exitcode == -signal.SIGABRT or \
+                    timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
                         any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
                     stacks = self._stacks() if timed_out else None  # before the others are stopped
                     _terminate(self.processes)
@@ -1011,18 +1011,23 @@ class _Workers:
 
     def _stacks(self) -> dict[int, str]:
         """Every live rank's Python stacks, dumped by faulthandler on _STACK_SIGNAL (from C, so also
-        while C code holds the GIL); a rank that does not answer within a second is left out."""
+        while C code holds the GIL; a rank that does not answer within a second is left out), and those
+        faulthandler wrote as a rank died of a fatal signal (SIGABRT: NCCL's watchdog)."""
+        stacks = {rank: self._read_stack(rank) for rank, p in enumerate(self.processes) if p.exitcode is not None}
         live = [rank for rank, p in enumerate(self.processes) if p.is_alive()]
         for rank in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.processes[rank].pid, _STACK_SIGNAL)
-        stacks, deadline = {}, time.monotonic() + 1.0
-        while len(stacks) < len(live) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 1.0
+        while not all(stacks.get(rank) for rank in live) and time.monotonic() < deadline:
             time.sleep(0.1)  # a dump takes milliseconds: after 0.1 s a non-empty file is whole
-            for rank in live:
-                with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.stack")) as f:
-                    stacks.update({rank: text} if (text := f.read()) else {})
-        return {rank: stacks.get(rank, "") for rank in live}
+            stacks.update({rank: self._read_stack(rank) for rank in live})
+        return {rank: text for rank, text in stacks.items() if text or rank in live}
+
+    def _read_stack(self, rank: int) -> str:
+        with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.stack")) as f:
+            return f.read()
+        return ""
 
     def _root_cause(self, first: int, seen_at: float, killed_at: float, stacks: dict | None) -> BaseException:
         """The failure to report: every rank that raised before we stopped the job competes."""
@@ -1042,7 +1047,7 @@ class _Workers:
             error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {rank} still called a "
                            "collective: every rank must run the same collectives (the same number of batches)")
         if stacks is not None:  # a collective timed out: where was each rank?
-            error.add_note(_where_ranks_are(stacks, reports))
+            error.add_note(_where_ranks_are(stacks, reports, nccl=torch.cuda.is_available()))
         return error
 
 
@@ -1065,7 +1070,10 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
-    faulthandler.register(_STACK_SIGNAL, open(err_file.replace(".err", ".stack"), "w"), all_threads=True)
+    # A rank that dies of a fatal signal (SIGABRT from NCCL's watchdog) leaves its stacks there too.
+    stack_file = open(err_file.replace(".err", ".stack"), "w")
+    faulthandler.register(_STACK_SIGNAL, stack_file, all_threads=True)
+    faulthandler.enable(stack_file, all_threads=True)
     _die_with_parent(parent_pid)
     # A forkserver child inherits it as the default start method: back to the platform's, as under torchrun
     # and srun, so DataLoader workers fork from this rank and inherit its stop-signal recorder.
@@ -1216,9 +1224,11 @@ _COLLECTIVES = ("reduce", "all_gather", "barrier", "print_ranked", "save_checkpo
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 
 
-def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) -> str:
+def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nccl: bool = False) -> str:
     """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
-    in a collective, or not (it never reached it), the innermost frames of the user's code first."""
+    in a collective, or not (it never reached it), the innermost frames of the user's code first. Under
+    nccl (``nccl``: GPUs are visible) a collective on CUDA tensors returns before it completes and the
+    rank blocks at its next synchronizing call: a place outside a collective is only where it blocked."""
     texts, stacked = {}, set()  # stacked: the ranks placed by a live stack (innermost first)
     for rank in sorted(stacks.keys() | {r for r, report in reports.items() if report}):
         stack, tb = stacks.get(rank, ""), (reports.get(rank) or {}).get("traceback", "")
@@ -1240,6 +1250,10 @@ def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None]) ->
             lines.append(f"  rank {rank}: waiting in {called}(), at {where}")
         elif not frames:
             lines.append(f"  rank {rank}: exiting, past your code (none of its frames is yours)")
+        elif nccl:
+            lines.append(f"  rank {rank}: blocked outside a collective call, at {where}; under nccl a rank waits for "
+                         "an earlier collective at its next synchronizing call (.item(), .tolist(), a copy to the "
+                         "CPU), so it may have reached one")
         else:
             lines.append(f"  rank {rank}: not in a collective (it never reached it), at {where}")
     if len({called for called, *_ in waits.values()}) > 1:

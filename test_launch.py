@@ -40,6 +40,10 @@ JOB = textwrap.dedent('''
         while True:
             pass
 
+    def abort_here():
+        time.sleep(0.2)
+        os.abort()
+
     def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         dist.init_process_group(local_rank, world_size, timeout=timeout)
         dist.reduce(torch.ones(1))                      # everyone is connected
@@ -67,6 +71,8 @@ JOB = textwrap.dedent('''
             if dist.is_primary():
                 dist.reduce(torch.ones(1))              # a collective on the primary alone
             dist.barrier()
+        if behaviour == "abort" and rank == bad_rank:
+            abort_here()                                # as NCCL's watchdog aborts a rank (SIGABRT)
         if behaviour == "leave" and rank == bad_rank:
             return                                      # finishes early: its peers wait below
         dist.reduce(torch.ones(1))                      # where the healthy ranks wait
@@ -809,6 +815,21 @@ def test_the_hang_report_places_a_rank_caught_exiting_by_its_traceback():
     assert "rank 1: exiting, past your code (none of its frames is yours)" in report and "never reached" not in report
 
 
+def test_under_nccl_the_report_says_where_a_rank_blocked_not_that_it_never_reached_the_collective():
+    """Under nccl reduce() of a CUDA tensor returns before the collective completes; the rank blocks at its
+    next synchronizing call (.item()): that is where its stack is, and it may well have reached the collective."""
+    user = "/home/me/train.py"
+    stack = lambda *frames: "Thread 0x1 (most recent call first):\n" + "".join(  # noqa: E731
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
+    stacks = {0: stack((distributed.__file__, 270, "reduce"), (user, 30, "main_worker")),
+              1: stack((user, 41, "evaluate"), (user, 33, "main_worker"))}
+    nccl = distributed._where_ranks_are(stacks, {}, nccl=True)
+    assert ("rank 1: blocked outside a collective call, at train.py:41 in evaluate <- train.py:33 in main_worker; "
+            "under nccl a rank waits for an earlier collective at its next synchronizing call") in nccl, nccl
+    assert "never reached it" not in nccl and "rank 0: waiting in reduce()" in nccl
+    assert "rank 1: not in a collective (it never reached it), at train.py:41" in distributed._where_ranks_are(stacks, {})
+
+
 def line_of(tmp_path: Path, text: str) -> int:
     """The line number of ``text`` in the job script the test ran."""
     return next(n for n, line in enumerate((tmp_path / "job.py").read_text().splitlines(), 1) if text in line)
@@ -843,6 +864,17 @@ def test_a_collective_on_the_primary_alone_is_named_as_such(job, tmp_path):
     assert "reduce() on rank 0 is a collective inside a primary-only branch" in err, err
     assert f"rank 1: waiting in barrier(), at job.py:{line_of(tmp_path, 'dist.barrier()')}" in err, err
     assert "The ranks wait in different collectives" in err
+    assert j.leftovers() == []
+
+
+def test_a_rank_killed_by_sigabrt_is_placed_by_the_stacks_it_left(job, tmp_path):
+    """NCCL's watchdog kills a rank with SIGABRT: faulthandler writes its stacks as it dies, so the report
+    places it instead of only naming the signal."""
+    j = job("abort", "1", "2")
+    code, out, err = j.finish(timeout=60)
+    assert code == 1 and "rank 1 was killed by signal SIGABRT" in err, err
+    assert f"rank 1: not in a collective (it never reached it), at job.py:{line_of(tmp_path, 'os.abort()')} in " \
+           f"abort_here <- job.py:{line_of(tmp_path, 'abort_here()  ')} in worker" in err, err
     assert j.leftovers() == []
 
 
