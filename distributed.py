@@ -423,10 +423,8 @@ class Checkpointer:
         self.state = {} if state is None else state
         self.save_every, self.check_every, self.max_requeues = save_every, check_every, max_requeues
         self.epoch = self.steps = self.epoch_steps = 0  # epoch in progress; optimizer steps in all, in it
-        for name, value, low in (("grad_accum", grad_accum, 1), ("save_every", save_every, 0),
-                                 ("check_every", check_every, 1), ("max_requeues", max_requeues, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        _check_counts(grad_accum=(grad_accum, 1), save_every=(save_every, 0), check_every=(check_every, 1),
+                      max_requeues=(max_requeues, 0))
         _check_weights_only(self.settings, "settings")  # a snapshot must hold them: fail now, not at the save
         if (saved := _agreed_snapshot(self.path)) is not None:
             _restore(self, saved)
@@ -472,21 +470,19 @@ class Stopped(SystemExit):
 
 
 def stop_requested() -> signal.Signals | None:
-    """The stop signal (one of STOP_SIGNALS) that any rank has received, or None; the same answer on
-    every rank, from one all-reduce. Must be called on all ranks, at the same step boundary: then all
-    of them can save the same step and exit alike (Checkpointer.step() does this). The first call (or a
-    Checkpointer) installs handlers (main thread) that only record the signal; until then these signals
-    keep their default effect (death). Of different signals SIGTERM wins (scancel also sends it)."""
+    """The stop signal (one of STOP_SIGNALS) any rank has received, or None; the same on every rank, from
+    one all-reduce. Call it on all ranks at the same step boundary, so that all save the same step and exit
+    alike (Checkpointer.step() does). The first call (or a Checkpointer) installs handlers that only record
+    the signal; until then these signals kill. Of different signals SIGTERM wins (scancel sends it)."""
     received = int(reduce(_stop_recorder().received, "max"))
     return signal.Signals(received) if received else None
 
 
 def requeue() -> bool:
     """Ask SLURM to requeue this job (under a job array, this task only); True if it accepted. Not a
-    collective: only the primary asks, other ranks and runs outside SLURM get False. SLURM ends the
-    running job at once, so call it when the snapshot is saved. Where scontrol is missing (in a
-    container) or refuses, it says so on stderr and returns False: slurm.conf's RequeueExit=<code>
-    can requeue on your exit code instead."""
+    collective: only the primary asks, other ranks and runs outside SLURM get False. SLURM ends the job
+    at once: call it once the snapshot is saved. Where scontrol is missing (a container) or refuses, it
+    says so on stderr and returns False: slurm.conf's RequeueExit=<code> can requeue on your exit code."""
     job = os.environ.get("SLURM_JOB_ID")
     if not is_primary() or job is None:
         return False
@@ -855,6 +851,12 @@ def _stop_recorder() -> _StopRecorder:
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return recorder
+
+
+def _check_counts(**counts: tuple[Any, int]) -> None:
+    for name, (value, low) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
 
 
 def _per_step(ckpt: Checkpointer) -> int:

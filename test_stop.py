@@ -417,12 +417,13 @@ def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
 
 def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bitwise(slurm, uninterrupted,
                                                                                      tmp_path):
-    """`--time=2 --signal=USR1@50 --requeue`: slurmctld checks every 30 s and signals at its first check
-    with at most 50 + 30 s left, so USR1 reaches the srun step 40 to 70 s into the run (with --time=1 it
-    came at once, before min_ddp had installed its handlers, and killed it); every rank saves, the
-    primary requeues the job, and the rerun resumes and finishes with the uninterrupted run's model."""
+    """`--time=2 --signal=USR1@70 --requeue`: slurmctld checks every 30 s and signals at its first check
+    with at most 70 + 30 s left, so USR1 reaches the srun step 20 to 50 s into the run, long after the
+    Checkpointer installed its handlers (a few seconds in; with --time=1 it came at once and killed the
+    job); every rank saves, the primary requeues the job, and the rerun resumes and finishes with the
+    uninterrupted run's model."""
     model, done = uninterrupted
-    info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@50", slow_first_run=3))  # 96 s of steps
+    info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3))  # 96 s of steps
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
     assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after step" in log, log
