@@ -355,33 +355,36 @@ def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(u
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
+SMALL_BATCHES = [*FLAGS[:-2], "--batch-size", "16"]  # the later --batch-size wins
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_8_epochs(tmp_path_factory) -> dict:
-    """8 epochs of 16 steps: the stop check at min_ddp's default --check-every (100) comes in epoch 7."""
-    tmp = tmp_path_factory.mktemp("uninterrupted8")
-    out = run(tmp, *FLAGS[:-2], "--epochs", "8", "--save-model", str(tmp / "model.pt"))
+def uninterrupted_small_batches(tmp_path_factory) -> dict:
+    """2 epochs of 64 steps (batch 16): the stop check at min_ddp's default --check-every (100) comes in epoch 2."""
+    tmp = tmp_path_factory.mktemp("small-batches")
+    out = run(tmp, *SMALL_BATCHES, "--save-model", str(tmp / "model.pt"))
     assert out.returncode == 0, out.stderr
     return distributed.load_checkpoint(tmp / "model.pt")
 
 
 @pytest.mark.parametrize("start_method", ["", "forkserver"], ids=["platform-default", "forkserver-as-python-3.14"])
-def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted_8_epochs, tmp_path,
+def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted_small_batches, tmp_path,
                                                                         start_method):
     """SLURM and shells signal every process of the job: with --workers 2 the loader workers must not die
     of it, though the ranks keep fetching batches for 98 more steps until the check at step 100. Under a
     forkserver (Python 3.14's default) they are its children: its death would end them."""
-    flags = [*FLAGS[:-2], "--epochs", "8", "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
+    flags = [*SMALL_BATCHES, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
     os.environ["START_METHOD"] = start_method  # signal_once_printed passes os.environ on
     try:
         code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                             "[global] epoch 1 step 2/16", lambda pid: os.killpg(pid, signal.SIGUSR1))
+                                             "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1))
     finally:
         del os.environ["START_METHOD"]
-    assert "stopped by SIGUSR1 after step 4 of epoch 7" in out and code == -signal.SIGUSR1, err
+    assert "stopped by SIGUSR1 after step 36 of epoch 2" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err
     assert run(tmp_path, *flags).returncode == 0
-    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), uninterrupted_8_epochs, "final model")
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), uninterrupted_small_batches, "final model")
 
 
 # --- On the real local SLURM (bash .ci/slurm up) -------------------------------------------------
