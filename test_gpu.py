@@ -21,7 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from harness import HERE, leftover_processes, run_script
+import distributed
+from harness import HERE, leftover_processes, min_ddp_driver, run_script
+from test_snapshot import assert_bitwise_equal
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible (the CPU suite hides them): run "
@@ -63,6 +65,7 @@ JOB = textwrap.dedent('''
         torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
         if behaviour == "raise" and rank == 1:
             time.sleep(0.5)                                  # rank 0 waits in the reduce below
+            torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight
             raise ValueError("root cause on rank 1")
         if behaviour == "hang" and rank == 1:
             time.sleep(3600)
@@ -81,6 +84,11 @@ JOB = textwrap.dedent('''
 ''')
 
 
+def torchrun_command(processes: int) -> list[str]:
+    """This interpreter's torchrun (a bare `torchrun` from PATH may belong to another Python)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+
+
 def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str, float]:
     """Run the job (under torchrun with that many local ranks, else launch()); (result, marker, seconds)."""
     script = tmp_path / "job.py"
@@ -88,7 +96,7 @@ def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> 
     marker = uuid.uuid4().hex
     command = [sys.executable, str(script), *args]
     if torchrun:
-        command = ["torchrun", "--standalone", f"--nproc_per_node={torchrun}", str(script), *args]
+        command = [*torchrun_command(torchrun), str(script), *args]
     started = time.monotonic()
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "DDP_TEST_MARKER": marker})
@@ -115,16 +123,35 @@ def test_min_ddp_snapshot_saves_and_resumes_on_the_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("backend, torchrun", [
-    pytest.param("nccl", 0, id="nccl-every-gpu"),           # a world of one with one GPU
+    pytest.param("nccl", GPUS, id="nccl-a-rank-per-gpu"),     # a real NCCL group, also of one with one GPU
     pytest.param("gloo", 2, id="gloo-cuda-tensors-2-ranks"),  # ranks may share a GPU under gloo
 ])
 def test_every_helper_works_with_cuda_and_cpu_tensors(tmp_path, backend, torchrun):
     out, marker, _ = start_job(tmp_path, backend, str(tmp_path / "s.pt"), torchrun=torchrun)
     assert out.returncode == 0, out.stderr
-    world = torchrun or GPUS
+    world = torchrun
     assert [f"[rank {r}] on cuda:" in out.stdout for r in range(world)] == [True] * world, out.stdout
     assert "job ok" in out.stdout
     assert leftover_processes(marker) == []
+
+
+def test_a_stop_signal_on_nccl_ranks_saves_mid_epoch_and_the_resume_ends_bitwise(tmp_path):
+    """Checkpointer under nccl: the stop check's all-reduce, every rank's CUDA RNG in the snapshot, and a
+    mid-epoch resume on one rank per GPU that ends with the uninterrupted run's model."""
+    def run(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([*torchrun_command(GPUS), min_ddp_driver(tmp_path), "--epochs", "2", "--batch-size", "64",
+                               "--log-every", "1000", "--check-every", "1", *flags], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "TRAIN_SIZE": "2048", "STOP_AT": stop})
+    straight = run("--save-model", str(tmp_path / "straight.pt"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    snapshot, model = str(tmp_path / "snap.pt"), str(tmp_path / "model.pt")
+    stopped = run("--snapshot", snapshot, "--save-model", model, stop="0:5:SIGUSR1")
+    assert "stopped by SIGUSR1 after step 5 of epoch 1; saved to" in stopped.stdout, stopped.stderr[-3000:]
+    assert distributed.load_checkpoint(snapshot, map_location="cpu")["ranks"][0]["cuda_rng"] is not None
+    resumed = run("--snapshot", snapshot, "--save-model", model)
+    assert resumed.returncode == 0 and "in epoch 1 after step 5" in resumed.stdout, resumed.stderr[-3000:]
+    assert_bitwise_equal(distributed.load_checkpoint(model, map_location="cpu"),
+                         distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu"), "final model")
 
 
 @two_gpus
