@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import warnings
+
+# torch's notice, where numpy is missing (a fresh machine, as CI's first run), that it could not load it.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 
 # The suite proves DDP on CPU processes: where GPUs are visible they are hidden from it and from every process
 # it starts (else ranks would take nccl), unless DDP_GPU_TESTS=1 asks for test_gpu.py, which then runs alone.
