@@ -317,11 +317,11 @@ MIN_DDP_DRIVER = textwrap.dedent('''
 
     register_optimizer_step_post_hook(after_step)
     if os.environ.get("START_METHOD"):  # e.g. forkserver, Python 3.14's default: set in the rank, as it would be
-        train = min_ddp.train
-        def forced(args, device):
+        init = distributed.init_process_group
+        def forced(*args, **kwargs):
             multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
-            train(args, device)
-        min_ddp.train = forced
+            return init(*args, **kwargs)
+        distributed.init_process_group = forced
     if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         rank, step = map(int, os.environ["CRASH_AT"].split(":"))
         register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and
