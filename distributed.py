@@ -32,10 +32,8 @@ The same script runs unchanged as
     torchrun --nproc_per_node=N train.py             # one or many hosts
     srun -n N python train.py                        # SLURM
 
-Sections, in the order a script uses them: launching, the process group, data, collectives,
-checkpoints; then the internals they rely on, in the same order; last, the local launcher's
-supervisor (the processes launch() starts). Standard library and torch only (2.8 or newer); no
-module-level state.
+The public part first, in the order a script uses it; then the internals in the same order, and last the
+supervisor of the processes launch() starts. Standard library and torch only (2.8 or newer); no module-level state.
 """
 from __future__ import annotations
 
@@ -307,9 +305,9 @@ def print_primary(*args: Any, **kwargs: Any) -> None:
 def print_ranked(*args: Any, sep: str = " ") -> None:
     """One line per rank, prefixed ``[rank k]``, printed in rank order by the primary (gathered
     there: no interleaving); must be called on all ranks."""
-    lines = _all_gather_text(f"[rank {get_rank()}] " + sep.join(str(a) for a in args))
+    lines = _all_gather_bytes(f"[rank {get_rank()}] {sep.join(map(str, args))}".encode())
     if is_primary():
-        print("\n".join(lines), flush=True)
+        print("\n".join(line.decode() for line in lines), flush=True)
 
 
 # ------------------------------ Checkpoints --------------------------------------------------
@@ -400,18 +398,17 @@ class Checkpointer:
             ...; optimizer.step()
             ckpt.step()
 
-    Construction: if ``path`` exists every rank loads it (weights_only); the ranks must all have found
-    the same snapshot, else every rank fails (it must be on a file system every node sees). A snapshot
-    whose ``settings`` (what defines the run: seed, learning rate...) differ is refused, naming each
-    difference. It restores the model, the optimizer, every rank's CPU and CUDA RNG, the position and
-    ``state`` (numbers, tensors, dicts and lists of them; each rank its own, at another world size rank
-    0's). ``epochs(n)`` snapshots at every epoch's end. ``step()``: a snapshot every ``save_every``
-    steps (0: none), and every ``check_every`` steps one all-reduce asks whether any rank got a stop
-    signal: then every rank saves this step, the primary requeues the job (under SLURM, for the time
-    limit's warning USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most
-    ``max_requeues`` times), and every rank raises Stopped (exit 128 + the signal, 75 if the requeue
-    failed). A mid-epoch snapshot resumes at another number of processes with the same global batch
-    (``loader.batch_size`` x ``grad_accum`` x processes): the same samples in every remaining step.
+    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same
+    snapshot (on a file system every node sees), else every rank fails. A snapshot whose ``settings``
+    (what defines the run: seed, learning rate...) differ is refused, naming each difference. It restores
+    the model, the optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors,
+    dicts and lists of them; each rank its own, at another world size rank 0's). ``epochs(n)`` snapshots
+    at every epoch's end. ``step()``: a snapshot every ``save_every`` steps (0: none), and every
+    ``check_every`` steps one all-reduce asks whether any rank got a stop signal: then every rank saves
+    this step, the primary requeues the job (under SLURM, for the time limit's warning USR1/USR2 only, not
+    SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and every rank raises
+    Stopped (exit 128 + the signal, 75 if the requeue failed). A mid-epoch snapshot resumes at another
+    number of processes with the same global batch (``loader.batch_size`` x ``grad_accum`` x processes).
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
@@ -419,12 +416,14 @@ class Checkpointer:
                  settings: dict | None = None, state: dict | None = None, save_every: int = 0,
                  check_every: int = 100, max_requeues: int = 20):
         self.path, self.model, self.optimizer = path and os.fspath(path), unwrap(model), optimizer
-        self.loader, self.grad_accum, self.settings = loader, grad_accum, dict(settings or {})
-        self.state = {} if state is None else state
+        self.loader, self.settings, self.state = loader, dict(settings or {}), {} if state is None else state
         self.save_every, self.check_every, self.max_requeues = save_every, check_every, max_requeues
         self.epoch = self.steps = self.epoch_steps = 0  # epoch in progress; optimizer steps in all, in it
-        _check_counts(grad_accum=(grad_accum, 1), save_every=(save_every, 0), check_every=(check_every, 1),
-                      max_requeues=(max_requeues, 0))
+        for name, (value, low) in {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0),
+                                   "check_every": (check_every, 1), "max_requeues": (max_requeues, 0)}.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
         _check_weights_only(self.settings, "settings")  # a snapshot must hold them: fail now, not at the save
         if (saved := _agreed_snapshot(self.path)) is not None:
             _restore(self, saved)
@@ -436,7 +435,7 @@ class Checkpointer:
         sampler = getattr(self.loader, "sampler", None)
         for self.epoch in range(self.epoch, epochs):
             if isinstance(sampler, _Sampler):
-                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * _per_step(self), sampler.num_samples))
+                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
             elif self.epoch_steps and self.loader is not None:
                 raise ValueError(f"Checkpointer: the loader's sampler is a {type(sampler).__name__}, which cannot "
                                  "start mid-epoch; use distributed.data_sampler(...)")
@@ -455,18 +454,20 @@ class Checkpointer:
 
     def save(self) -> None:
         """Write the snapshot now (atomically); must be called on all ranks."""
+        if not self.path:
+            raise ValueError("Checkpointer.save: this Checkpointer has no snapshot path (path=None); give it one")
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         ranks = _all_gather_objects({"rng": torch.get_rng_state(), "cuda_rng": cuda, "state": self.state})
         save_checkpoint({"model": self.model.state_dict(), "steps": self.steps, "epoch": self.epoch,
                          "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                         "epoch_steps": self.epoch_steps, "global_batch": _per_step(self) * get_world_size(),
+                         "epoch_steps": self.epoch_steps, "global_batch": self._per_step * get_world_size(),
                          "settings": self.settings, "ranks": ranks}, self.path)
 
 
 class Stopped(SystemExit):
-    """Raised on every rank by Checkpointer.step() after a stop signal, once the snapshot is saved: the
-    process exits with ``code`` (128 + the signal, a shell's code; 75 when a due requeue failed, which
-    slurm.conf's RequeueExit=75 can act on) and no traceback. cleanup() and launch() take it as a normal end."""
+    """Raised on every rank by Checkpointer.step() after a stop signal, once the snapshot is saved: exits with
+    ``code`` (128 + the signal; 75 when a due requeue failed, for slurm.conf's RequeueExit=75), no traceback.
+    cleanup() and launch() take it as a normal end."""
 
 
 def stop_requested() -> signal.Signals | None:
@@ -520,13 +521,14 @@ def _launcher_env() -> _Launcher | None:
     """The launcher's view of this process, validated; None outside any launcher."""
     env = os.environ
     present = [v for v in _TORCHRUN_VARS if v in env]
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))  # None in sbatch's script or salloc's shell
     if present:
         if missing := [v for v in _TORCHRUN_VARS if v not in env]:
             raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} not: a launcher sets "
                                f"all of {', '.join(_TORCHRUN_VARS)}; set the missing ones or unset the others")
         mode = "spawn" if _INIT_METHOD_ENV in env else "torchrun"
         rank, world, local = (_env_int(v) for v in _TORCHRUN_VARS)
-    elif all(v in env for v in _SLURM_VARS) and _in_slurm_step():
+    elif all(v in env for v in _SLURM_VARS) and step is not None and step not in _NOT_RANK_STEPS:
         mode, rank, local = "slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
         world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
     else:
@@ -535,12 +537,6 @@ def _launcher_env() -> _Launcher | None:
         raise ValueError(f"inconsistent {mode} environment: rank={rank}, local_rank={local}, world_size="
                          f"{world}; need world_size >= 1, 0 <= rank < world_size, local_rank >= 0")
     return _Launcher(mode, rank, local, world)
-
-
-def _in_slurm_step() -> bool:
-    """True in a task started by srun; False in an sbatch script or salloc shell (not a rank)."""
-    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
-    return step is not None and step not in _NOT_RANK_STEPS
 
 
 def _env_int(name: str) -> int:
@@ -612,19 +608,16 @@ def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
     """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
     if local_rank < gpus:
         return local_rank
-    if not nccl or gpus == 1 and mode == "slurm" and _slurm_task_has_own_gpu(local_rank):
-        return local_rank % gpus  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
+    # srun --gpus-per-task=1 shows each task its own GPU as cuda:0; --gres=gpu:1 with 2 tasks shows both the
+    # same one (NCCL then dies with "Duplicate GPU detected").
+    step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
+    own_gpu = mode == "slurm" and ("SLURM_GPUS_PER_TASK" in os.environ or len(step_gpus) > local_rank)
+    if not nccl or gpus == 1 and own_gpu:
+        return local_rank % gpus
     raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
                        "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
                        f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
                        "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
-
-
-def _slurm_task_has_own_gpu(local_rank: int) -> bool:
-    """Whether SLURM bound a GPU to each task: --gres=gpu:1 with 2 tasks shows both the same one (NCCL then
-    dies with "Duplicate GPU detected")."""
-    step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
-    return "SLURM_GPUS_PER_TASK" in os.environ or len(step_gpus) > local_rank
 
 
 def _slurm_threads() -> int:
@@ -728,18 +721,14 @@ def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     return dtype
 
 
-def _wire_device(backend: str, device: torch.device) -> torch.device:
-    """Where a tensor must be for a collective: nccl moves CUDA tensors only ("cuda": the current GPU)."""
-    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device
-
-
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
     return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
 
 
-def _all_gather_text(text: str) -> list[str]:
-    return [data.decode() for data in _all_gather_bytes(text.encode())]
+def _wire_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective: nccl moves CUDA tensors only ("cuda": the current GPU)."""
+    return torch.device("cuda") if backend == "nccl" and device.type != "cuda" else device
 
 
 def _all_gather_bytes(data: bytes) -> list[bytes]:
@@ -853,19 +842,8 @@ def _stop_recorder() -> _StopRecorder:
     return recorder
 
 
-def _check_counts(**counts: tuple[Any, int]) -> None:
-    for name, (value, low) in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
-
-
-def _per_step(ckpt: Checkpointer) -> int:
-    """Samples a rank reads per optimizer step (0 without a loader)."""
-    return (getattr(ckpt.loader, "batch_size", None) or 0) * ckpt.grad_accum
-
-
 def _restore(ckpt: Checkpointer, saved: dict) -> None:
-    _check_resumable(ckpt.path, saved, ckpt.settings, _per_step(ckpt) * get_world_size())
+    _check_resumable(ckpt.path, saved, ckpt.settings, ckpt._per_step * get_world_size())
     try:
         ckpt.model.load_state_dict(saved["model"])
         if ckpt.optimizer is not None:
@@ -1037,7 +1015,7 @@ class _Workers:
         for rank, p in enumerate(self.processes):
             report = reports[rank] = self._report(rank)
             if report is not None and report["time"] <= killed_at:
-                failures.append((_looks_collateral(report["traceback"]), report["time"], rank, report))
+                failures.append((bool(re.search(_COLLATERAL, report["traceback"])), report["time"], rank, report))
             elif rank == first:
                 failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
         # A rank that raised or died first is the root cause; errors that only say a peer went
@@ -1145,13 +1123,9 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     except (AttributeError, OSError):
         return  # no pidfd (old kernel): the parent-death signal alone
-    threading.Thread(target=_kill_self_when_readable, args=(pidfd,), name="exit-with-launcher",
-                     daemon=True).start()
-
-
-def _kill_self_when_readable(fd: int) -> None:
-    select.select([fd], [], [])  # a pidfd becomes readable when its process exits
-    os.kill(os.getpid(), signal.SIGKILL)
+    # A pidfd becomes readable when its process exits.
+    threading.Thread(target=lambda: select.select([pidfd], [], []) and os.kill(os.getpid(), signal.SIGKILL),
+                     name="exit-with-launcher", daemon=True).start()
 
 
 # How a rank exits after a stop: a shell's code for the signal, or 75 when a due requeue failed.
@@ -1167,7 +1141,7 @@ def _forwarding_stop_signals(processes: list, grace: float):
         yield []  # signal handlers can only be installed in the main thread
         return
     received: list[int] = []
-    deadline = threading.Timer(grace, _kill, args=(processes,))
+    deadline = threading.Timer(grace, lambda: [p.kill() for p in processes if p.exitcode is None])
     deadline.daemon = True
 
     def forward(signum: int, frame: Any) -> None:
@@ -1190,12 +1164,6 @@ def _forwarding_stop_signals(processes: list, grace: float):
         if received and sys.exception() is None:
             shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
             signal.raise_signal(received[0])
-
-
-def _kill(processes: list) -> None:
-    for p in processes:
-        if p.exitcode is None:
-            p.kill()
 
 
 def _terminate(processes: list) -> None:
@@ -1221,6 +1189,9 @@ def _exit_report(rank: int, exitcode: int) -> dict:
 
 
 _TIMED_OUT = r"Timed out|timed out|Timeout"
+# A peer vanished or timed out: what the surviving ranks see when another rank fails first.
+_COLLATERAL = (r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|Socket Timeout|Timed out waiting|timed out|"
+               r"peer rank \d+ \(pid \d+\) exited")
 _STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> shows a rank's stack
 _COLLECTIVES = ("reduce", "all_gather", "barrier", "print_ranked", "save_checkpoint", "backward")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
@@ -1274,12 +1245,10 @@ def _user_frames(text: str, innermost_first: bool) -> tuple[str, list[tuple[str,
     innermost of them called ("" if none)."""
     main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
     frames = _FRAME.findall(main[0])[:: 1 if innermost_first else -1]
-    ours = [i for i, (file, _, _) in enumerate(frames) if not _is_library(file)]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    ours = [i for i, (file, _, _) in enumerate(frames)
+            if not (file == __file__ or f"{os.sep}torch{os.sep}" in file or file.startswith((stdlib, "<")))]
     return (frames[ours[0] - 1][2] if ours and ours[0] > 0 else ""), [frames[i] for i in ours]
-
-
-def _is_library(file: str) -> bool:
-    return file == __file__ or f"{os.sep}torch{os.sep}" in file or file.startswith((sysconfig.get_paths()["stdlib"], "<"))
 
 
 def _in_primary_only_branch(file: str, line: str) -> bool:
@@ -1291,12 +1260,6 @@ def _in_primary_only_branch(file: str, line: str) -> bool:
         if above.strip() and len(above) - len(above.lstrip()) < indent:
             return above.lstrip().startswith("if") and bool(re.search(r"is_primary|rank\(?\)? *== *0", above))
     return False
-
-
-def _looks_collateral(tb: str) -> bool:
-    """A peer vanished or timed out: what the surviving ranks see when another rank fails first."""
-    return bool(re.search(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|"
-                          r"Socket Timeout|Timed out waiting|timed out|peer rank \d+ \(pid \d+\) exited", tb))
 
 
 class _ScriptUnpickler(pickle.Unpickler):

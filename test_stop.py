@@ -480,6 +480,17 @@ def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwa
     assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
 
+def test_save_without_a_snapshot_path_is_an_error_naming_it():
+    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
+    try:
+        ckpt = distributed.Checkpointer(None, torch.nn.Linear(2, 1))
+        with pytest.raises(ValueError, match=r"Checkpointer.save: this Checkpointer has no snapshot path \(path=None\)"):
+            ckpt.save()
+    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
 @settings(max_examples=examples(10), deadline=None)
 @given(n=st.integers(1, 40), world=st.sampled_from([1, 2]), shuffle=st.booleans(), pad=st.booleans(),
