@@ -459,9 +459,11 @@ def test_launch_rejects_a_lambda_before_starting_anything():
 
 @pytest.mark.parametrize("flag, value", [("--batch-size", "0"), ("--epochs", "-1"), ("--nprocs", "0"),
                                          ("--lr", "0")])
-def test_min_ddp_rejects_non_positive_settings(flag, value):
-    out = run_script(["min_ddp.py", flag, value], timeout=60)
-    assert out.returncode == 2 and f"got: {value}" in out.stderr and flag in out.stderr
+def test_min_ddp_rejects_non_positive_settings(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"got: {value}" in err and flag in err, err
 
 
 @pytest.mark.parametrize("nprocs, gpus, refused", [(2, 1, True), (4, 2, True), (2, 2, False), (None, 1, False),

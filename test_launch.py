@@ -325,9 +325,9 @@ def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_
 # ---------------------------------------------------------------------------------------------
 
 
-def test_twelve_jobs_launched_at_once_all_succeed(job, pools):
-    pools.close()  # free the harness's workers' memory: 36 more torch processes start here
-    jobs = [job("ok", "0", "2") for _ in range(12)]
+def test_four_jobs_launched_at_once_all_succeed(job):
+    """Any port two jobs both pick makes one fail here: the rendezvous is a file in each job's own directory."""
+    jobs = [job("ok", "0", "2") for _ in range(4)]
     results = [j.finish(timeout=300) for j in jobs]
     failures = [(code, err[-2000:]) for code, out, err in results if code != 0 or "job ok" not in out]
     assert failures == [], failures[0]

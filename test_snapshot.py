@@ -10,6 +10,7 @@ import errno
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,9 +64,16 @@ def straight(tmp_path_factory) -> dict:
     return distributed.load_checkpoint(tmp / "straight.pt")
 
 
-def test_stop_at_an_epochs_end_and_resume_equals_training_straight_through(straight, tmp_path):
-    path = tmp_path / "stopped.pt"
-    train(tmp_path, 2, 1, "--snapshot", str(path))
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory) -> Path:
+    """The same run stopped after its first epoch (the snapshot at its end): each test resumes a copy."""
+    tmp = tmp_path_factory.mktemp("one-epoch")
+    train(tmp, 2, 1, "--snapshot", str(tmp / "snap.pt"))
+    return tmp / "snap.pt"
+
+
+def test_stop_at_an_epochs_end_and_resume_equals_training_straight_through(straight, one_epoch, tmp_path):
+    path = shutil.copy(one_epoch, tmp_path / "stopped.pt")
     assert distributed.load_checkpoint(path)["epoch"] == 1
     out = train(tmp_path, 2, EPOCHS, "--snapshot", str(path))
     assert f"resumed from {path} after 1 epoch(s) (saved at world size 2)" in out.stdout
@@ -75,21 +83,19 @@ def test_stop_at_an_epochs_end_and_resume_equals_training_straight_through(strai
     assert resumed["epoch"] == EPOCHS and resumed["optimizer"]["state"], "momentum buffers are saved"
 
 
-def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(straight, tmp_path):
+def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(straight, one_epoch, tmp_path):
     """2 x 64 -> 1 x 128 continues the same run, not bitwise (the reduction order changes): float64, to
     the suite's rtol = atol = 1e-9 (float32 drifts ~1e-4 over 3 epochs)."""
-    path = tmp_path / "moved.pt"
-    train(tmp_path, 2, 1, "--snapshot", str(path))
+    path = shutil.copy(one_epoch, tmp_path / "moved.pt")
     train(tmp_path, 1, EPOCHS, "--snapshot", str(path))
     moved = distributed.load_checkpoint(path)
     for key, tensor in straight["model"].items():
         torch.testing.assert_close(moved["model"][key], tensor, rtol=1e-9, atol=1e-9)
 
 
-def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differs(tmp_path):
+def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differs(one_epoch, tmp_path):
     """A resume with another seed or lr would silently train another run; one line, no traceback."""
-    path = tmp_path / "snap.pt"
-    train(tmp_path, 2, 1, "--snapshot", str(path))
+    path = shutil.copy(one_epoch, tmp_path / "snap.pt")
     refused = run_min_ddp(tmp_path, "--nprocs", "1", "--epochs", "2", "--seed", "6", "--lr", "0.5", "--snapshot",
                           str(path), **SETTINGS)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
@@ -101,9 +107,8 @@ def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differ
     train(tmp_path, 1, 2, "--batch-size", "32", "--log-every", "7", "--timeout", "60", "--snapshot", str(path))
 
 
-def test_snapshot_of_another_model_is_a_clear_error(tmp_path):
-    path = tmp_path / "other.pt"
-    train(tmp_path, 1, 1, "--snapshot", str(path))
+def test_snapshot_of_another_model_is_a_clear_error(one_epoch, tmp_path):
+    path = shutil.copy(one_epoch, tmp_path / "other.pt")
     state = distributed.load_checkpoint(path)
     state["model"] = {"weight": torch.zeros(3, 3)}
     distributed.save_checkpoint(state, path)

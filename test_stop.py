@@ -92,24 +92,30 @@ def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterr
     assert done_line(out.stdout) == done, "the resumed run must report the uninterrupted run's metrics"
 
 
-def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(tmp_path):
-    out = run(tmp_path, *FLAGS, "--snapshot", str(tmp_path / "snap.pt"), stop_at="1:7:SIGUSR1")
-    assert out.returncode == 138, out.stderr
-    state = distributed.load_checkpoint(tmp_path / "snap.pt")
+@pytest.fixture(scope="module")
+def stopped_at_step_7(tmp_path_factory) -> Path:
+    """The snapshot of FLAGS's run stopped by SIGTERM to rank 0 after step 7 of epoch 1 (global batch 128)."""
+    tmp = tmp_path_factory.mktemp("stopped-at-7")
+    assert run(tmp, *FLAGS, "--snapshot", str(tmp / "snap.pt"), stop_at="0:7:SIGTERM").returncode == 143
+    return tmp / "snap.pt"
+
+
+def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(stopped_at_step_7):
+    state = distributed.load_checkpoint(stopped_at_step_7)
     assert (state["epoch"], state["epoch_steps"], state["steps"], state["global_batch"]) == (0, 7, 7, 128)
     assert [len(rank["rng"]) for rank in state["ranks"]] == [5056, 5056] and state["settings"]["--seed"] == 3
     assert [int(rank["state"]["unlogged"][2]) for rank in state["ranks"]] == [2 * 64, 2 * 64]  # steps 6 and 7
 
 
 @pytest.mark.parametrize("world, batch", [(1, "128"), (4, "32")])
-def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch(uninterrupted, tmp_path, world,
-                                                                                 batch):
+def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch(uninterrupted, stopped_at_step_7,
+                                                                                 tmp_path, world, batch):
     """Stopped at world 2 after step 7 (global batch 128), resumed at world 1 x 128 or 4 x 32: the same
     samples in every remaining step, so the final model equals the uninterrupted world-2 run's up to the
     order of the gradient sums (float64: rtol 1e-9; a skipped or repeated step moves it by >= 1e-3)."""
     model, _ = uninterrupted
+    shutil.copy(stopped_at_step_7, tmp_path / "snap.pt")
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
-    assert run(tmp_path, *flags, stop_at="0:7:SIGTERM").returncode == 143
     flags[1], flags[flags.index("--batch-size") + 1] = str(world), batch
     out = run(tmp_path, *flags)
     assert out.returncode == 0, out.stderr
@@ -120,14 +126,14 @@ def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch
         torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-9)
 
 
-def test_mid_epoch_resume_with_another_global_batch_is_refused_naming_the_numbers_that_continue_it(tmp_path):
-    snap = str(tmp_path / "snap.pt")
-    assert run(tmp_path, *FLAGS, "--snapshot", snap, stop_at="0:3:SIGTERM").returncode == 143
+def test_mid_epoch_resume_with_another_global_batch_is_refused_naming_the_numbers_that_continue_it(stopped_at_step_7,
+                                                                                                    tmp_path):
+    snap = str(shutil.copy(stopped_at_step_7, tmp_path / "snap.pt"))
     other = [*FLAGS, "--snapshot", snap]
     other[1], other[other.index("--batch-size") + 1] = "1", "64"
     out = run(tmp_path, *other)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert (f"min_ddp: the snapshot {snap} stopped in epoch 1 after step 3 with a global batch (batch size x "
+    assert (f"min_ddp: the snapshot {snap} stopped in epoch 1 after step 7 with a global batch (batch size x "
             "grad_accum x processes) of 128 samples, and this run's is 64: the rest of the epoch continues only "
             "with the same global batch: use at 1 process(es), batch size x grad_accum = 128 per process") in out.stderr
 
@@ -383,6 +389,7 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
         del os.environ["START_METHOD"]
     assert "stopped by SIGUSR1 after step 36 of epoch 2" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err
+    flags[flags.index("--workers") + 1] = "0"  # the resume needs no loader workers: the stop was the test
     assert run(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), uninterrupted_small_batches, "final model")
 
