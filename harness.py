@@ -14,10 +14,12 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import torch
@@ -369,6 +371,19 @@ def cannot_run(command: list[str], what: str) -> str | None:
     except OSError as e:
         return f"{command[0]} is missing: {e}"
     return None if done.returncode == 0 else f"{what}: {done.stderr.strip()}"
+
+
+def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
+    """Wait until SLURM no longer lists the job (a requeued job is listed while it waits); its fields. Polled
+    every 0.5 s: `sbatch --wait` polls at 2, 8 and 32 s, so a 12-s job took 42."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], timeout=30)
+            raise TimeoutError(f"job {job} still listed after {timeout} s")
+        time.sleep(0.5)
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def leftover_processes(marker: str) -> list[int]:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import distributed
-from harness import HERE, cannot_run, free_port, leftover_processes, run_script
+from harness import HERE, cannot_run, free_port, leftover_processes, run_script, wait_for_job
 
 # A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
 # writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
@@ -562,10 +562,10 @@ def test_readme_sbatch_example_runs(slurm, tmp_path):
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S).group(1)
     (tmp_path / "job.sbatch").write_text(script)
     log = tmp_path / "slurm.out"
-    out = subprocess.run(["sbatch", "--wait", f"--chdir={HERE}", f"--output={log}", str(tmp_path / "job.sbatch")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, (out.stderr, log.read_text() if log.exists() else "")
-    text = log.read_text()
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={HERE}", f"--output={log}", str(tmp_path / "job.sbatch")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    info, text = wait_for_job(job), log.read_text() if log.exists() else ""
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, text)
     assert "mode=slurm world=2" in text and "done: world=2 epochs=2" in text, text
 
 
@@ -573,11 +573,11 @@ def test_sbatch_wrap_without_srun_runs_min_ddp_as_one_process(slurm, tmp_path):
     """`sbatch -n 2 --wrap "python min_ddp.py"` (no srun): the batch step is one process, not rank 0
     of 2, so it trains alone and finishes instead of waiting for a rank 1 that never comes."""
     log = tmp_path / "wrap.out"
-    out = subprocess.run(["sbatch", "--wait", "-n", "2", f"--chdir={HERE}", f"--output={log}",
+    job = subprocess.run(["sbatch", "--parsable", "-n", "2", f"--chdir={HERE}", f"--output={log}",
                           "--wrap", f"{sys.executable} min_ddp.py --epochs 1 --timeout 60"],
-                         capture_output=True, text=True, timeout=300)
-    text = log.read_text() if log.exists() else ""
-    assert out.returncode == 0, (out.stderr, text)
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    info, text = wait_for_job(job), log.read_text() if log.exists() else ""
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, text)
     assert "mode=single world=1" in text and "done: world=1 epochs=1" in text, text
 
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distributed
-from harness import HERE, examples, min_ddp_driver, run_min_ddp, task_sampler_skip
+from harness import HERE, examples, min_ddp_driver, run_min_ddp, task_sampler_skip, wait_for_job
 from test_snapshot import assert_bitwise_equal
 
 # 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
@@ -411,18 +411,6 @@ def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
                          env={**os.environ, **SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run)})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
-
-
-def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
-    """Wait until SLURM no longer lists the job (a requeued job is listed while it waits); its fields."""
-    deadline = time.monotonic() + timeout
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job])
-            raise TimeoutError(f"job {job} still listed after {timeout} s")
-        time.sleep(1)
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
-    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bitwise(slurm, uninterrupted,
