@@ -32,8 +32,8 @@ The same script runs unchanged as
     torchrun --nproc_per_node=N train.py             # one or many hosts
     srun -n N python train.py                        # SLURM
 
-The public part first, in the order a script uses it; then the internals in the same order, and last the
-supervisor of the processes launch() starts. Standard library and torch only (2.8 or newer); no module-level state.
+The public part first, in the order a script uses it; then the internals in the same order; last, the supervisor
+of the processes launch() starts. Standard library and torch (2.8 or newer) only; no module-level state.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -176,10 +175,6 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    # torch.__version__ compares as a version ("2.13" is newer than "2.8"), not as text.
-    if backend == "gloo" and env.rank == 0 and torch.__version__ < "2.8":
-        warnings.warn(f"torch {torch.__version__}: cleanup() can hang in destroy_process_group with gloo before "
-                      "torch 2.8 (https://github.com/pytorch/pytorch/pull/154976); upgrade torch", stacklevel=2)
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
     return device
@@ -205,14 +200,11 @@ def cleanup() -> None:
     if _has_group():
         error = sys.exception()
         if error is not None and not isinstance(error, Stopped) and dist.get_backend() == "nccl":
-            # Called while an error propagates (a `finally:`): destroying waits for NCCL work the other
-            # ranks will never finish, and the error would be reported, if ever, as the watchdog's
-            # SIGABRT. The process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
-            # A stop (every rank saved the same step) is a normal end.
-            return
-        # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's
-        # threads free them after Python is gone and the process aborts ("terminate called without
-        # an active exception"). https://github.com/pytorch/pytorch/pull/179291
+            # In a `finally:` while an error propagates (a stop is a normal end), destroying would wait for NCCL
+            # work the peers never finish, and the error would surface, if ever, as the watchdog's SIGABRT.
+            return  # the process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
+        # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's threads free
+        # them after Python is gone: "terminate called without an active exception". pytorch PR #179291
         gc.collect()
         dist.destroy_process_group()
 
@@ -814,9 +806,7 @@ class _StopRecorder:
     """stop_requested()'s handler; it lives in the process's signal table, not in a module global. It only
     records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
     so I/O or a collective here could deadlock (Lightning #20806, #21406). A repeat is harmless."""
-
-    def __init__(self) -> None:
-        self.received = 0
+    received = 0  # the highest signal number so far (an instance's own once set)
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.received = max(self.received, signum)
