@@ -56,8 +56,6 @@ JOB = textwrap.dedent('''
         if behaviour == "sigkill" and rank == bad_rank:
             time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
-        if behaviour == "hang" and rank == bad_rank:
-            time.sleep(3600)
         if behaviour == "wait":
             time.sleep(3600)
         if behaviour == "ignore-sigterm":               # the launcher waits its grace period, then SIGKILLs
@@ -181,20 +179,6 @@ def test_rank_killed_by_a_signal_is_named(job):
     assert code == 1
     assert "WorkerFailed: rank 1 was killed by signal SIGKILL" in err
     assert j.leftovers() == []
-
-
-def test_hung_rank_makes_the_others_fail_with_a_timeout_error(job):
-    j = job("hang", "1", "2", "3")  # a 3-second collective timeout
-    code, out, err = j.finish(timeout=60)
-    assert code == 1
-    assert "[rank 0] failed first" in err and "Timed out" in err
-    assert "rank 1: not in a collective (it never reached it)" in err and "rank 0: waiting in reduce()" in err
-    assert j.leftovers() == []
-
-
-def test_min_ddp_rejects_a_non_positive_timeout():
-    out = run_script(["min_ddp.py", "--timeout", "0", "--epochs", "1"], timeout=60)
-    assert out.returncode == 2 and "--timeout" in out.stderr and "got: 0" in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,9 +816,12 @@ def line_of(tmp_path: Path, text: str) -> int:
                                                  ("read", "in worker")], ids=["python-loop", "blocked-in-c"])
 def test_a_hung_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective(job, tmp_path, behaviour,
                                                                                      stuck_at):
+    """A rank that hangs without dying: the others fail with the collective's timeout (3 s here), and the
+    report places every rank."""
     j = job(behaviour, "1", "2", "3")  # a 3-second collective timeout
     code, out, err = j.finish(timeout=60)
     assert code == 1, err
+    assert "[rank 0] failed first" in err and "Timed out" in err, err
     # A busy `while True: pass` is caught on either of its two lines.
     stuck = [line_of(tmp_path, "while True:") + n for n in (0, 1)] if behaviour == "spin" else \
         [line_of(tmp_path, "os.read(os.pipe()[0], 1)")]
