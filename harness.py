@@ -284,25 +284,39 @@ def task_sampler_skip(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-# min_ddp.py run as a command, with the suite's settings: FLOAT64=1 (torch's default dtype, so the data and
-# the model: tight tolerances), TRAIN_SIZE (fewer samples), and STOP_AT="rank:step:SIGNAL[:late],...": after
-# its step-th optimizer step of this run, that rank signals itself; ":late" sends it 0.3 s later while every
-# other rank sleeps 0.6 s, so the signal lands while this rank waits inside the next step's gradient all-reduce.
+# min_ddp.py run as a command (`python min_ddp.py FLAGS`), with the suite's settings. driver.py adds
+# `--train-size $TRAIN_SIZE` (fewer samples) and puts MIN_DDP_HOOKS on PYTHONPATH as sitecustomize, which
+# every Python process of the run (the launcher, its forkserver whose forks are the ranks, torchrun's and
+# srun's workers) imports first: FLOAT64=1 (torch's default dtype, so the data and the model: tight tolerances),
+# and STOP_AT="rank:step:SIGNAL[:late],...": after its step-th optimizer step of this run, that rank signals
+# itself; ":late" sends it 0.3 s later while every other rank sleeps 0.6 s, so the signal lands while this rank
+# waits inside the next step's gradient all-reduce.
 # START_METHOD: multiprocessing's default start method inside each rank (forkserver: Python 3.14's).
 # CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
 # SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
-# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed. Spawned ranks run this file's top too.
+# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
 MIN_DDP_DRIVER = textwrap.dedent('''
-    import multiprocessing, os, signal, sys, threading, time
-    sys.path.insert(0, {repo!r})
-    import min_ddp  # first: it silences torch's warning that numpy is missing
+    import os, sys
+    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "min_ddp_hooks")
+    path = os.pathsep.join(p for p in (hooks, {repo!r}, os.environ.get("PYTHONPATH")) if p)
+    size = ["--train-size", os.environ["TRAIN_SIZE"]] if os.environ.get("TRAIN_SIZE") else []
+    os.execve(sys.executable, [sys.executable, os.path.join({repo!r}, "min_ddp.py"), *sys.argv[1:], *size],
+              {{**os.environ, "PYTHONPATH": path}})
+''')
+MIN_DDP_HOOKS = textwrap.dedent('''
+    import multiprocessing, os, runpy, signal, sys, threading, time, warnings
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:  # a sitecustomize later on the path (the no-numpy tests') still runs
+        if entry and os.path.abspath(entry) != here and os.path.isfile(os.path.join(entry, "sitecustomize.py")):
+            runpy.run_path(os.path.join(entry, "sitecustomize.py"))
+            break
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy")
     import torch
     import distributed
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     if os.environ.get("FLOAT64"):
         torch.set_default_dtype(torch.float64)
-    min_ddp.TRAIN_SIZE = int(os.environ.get("TRAIN_SIZE", min_ddp.TRAIN_SIZE))
     PLAN = [item.split(":") for item in os.environ.get("STOP_AT", "").split(",") if item]
 
     def after_step(optimizer, args, kwargs):
@@ -330,16 +344,16 @@ MIN_DDP_DRIVER = textwrap.dedent('''
                                           optimizer.steps_here == step and os._exit(17))
     if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
         register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
-
-    if __name__ == "__main__":
-        min_ddp.main()
 ''')
 
 
 def min_ddp_driver(directory: str | os.PathLike) -> str:
-    """Write the driver into ``directory``; its path."""
-    path = os.path.join(directory, "driver.py")
+    """Write the driver (and its hooks) into ``directory``; the driver's path."""
+    path, hooks = os.path.join(directory, "driver.py"), os.path.join(directory, "min_ddp_hooks")
     if not os.path.exists(path):
+        os.makedirs(hooks, exist_ok=True)
+        with open(os.path.join(hooks, "sitecustomize.py"), "w") as f:
+            f.write(MIN_DDP_HOOKS)
         with open(path, "w") as f:
             f.write(MIN_DDP_DRIVER.format(repo=HERE))
     return path

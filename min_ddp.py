@@ -32,7 +32,7 @@ import distributed
 from min_ddp_cli import SettingsError, parse_args  # the flags, --config, and their checks
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
 
-FEATURES, CLASSES, TRAIN_SIZE, VAL_SIZE = 32, 10, 16384, 4096
+FEATURES, CLASSES, VAL_SIZE = 32, 10, 4096
 DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
 
 
@@ -49,7 +49,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
     model, world = model.to(device), distributed.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_set, val_set = make_dataset("train"), make_dataset("val")
+    train_set, val_set = make_dataset("train", args.train_size), make_dataset("val", VAL_SIZE)
     sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)  # alone too: one order
     if args.batch_size > len(sampler):
         raise SettingsError(f"--batch-size {args.batch_size} is more than each process's share of the training data "
@@ -99,11 +99,10 @@ def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Mod
     return ddp, "shared-memory" if shared else torch.distributed.get_backend()
 
 
-def make_dataset(split: str) -> list[tuple[torch.Tensor, int]]:
+def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
     """(input, label) pairs of Gaussian blobs, one per class, the same on every rank: a list is a dataset."""
     centers = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(DATA_SEED))
-    size, offset = (TRAIN_SIZE, 1) if split == "train" else (VAL_SIZE, 2)
-    gen = torch.Generator().manual_seed(DATA_SEED + offset)
+    gen = torch.Generator().manual_seed(DATA_SEED + (1 if split == "train" else 2))
     labels = torch.randint(CLASSES, (size,), generator=gen)
     return list(zip(centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen), labels.tolist()))
 

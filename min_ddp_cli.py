@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     flag("--snapshot", writable, None, "save training state to this PATH; resume if it exists")
     flag("--check-every", int, 100, "optimizer steps between checks for a stop signal (one all-reduce)")
     flag("--workers", int, 0, "DataLoader worker processes per rank")
+    flag("--train-size", int, 16384, "samples of synthetic training data")
     flag("--config", str, None, "settings from FILE.json, keyed by the flags' names; flags override")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
     args = p.parse_args(argv)
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     return args
 
 
-POSITIVE = ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "check_every", "workers")
+POSITIVE = ("nprocs", "epochs", "batch_size", "lr", "log_every", "grad_accum", "timeout", "check_every", "workers",
+            "train_size")
 
 
 def writable(path: str) -> str:

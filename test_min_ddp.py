@@ -31,9 +31,8 @@ RUNS = [(1, 128, 1, 7), (2, 64, 1, 5), (4, 32, 1, 100), (2, 32, 2, 3), (3, 50, 1
 
 def dataset_tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """min_ddp's (input, label) pairs in float64, as one input tensor and one label tensor."""
-    with float64(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(min_ddp, "TRAIN_SIZE", TRAIN_SIZE)
-        inputs, labels = zip(*min_ddp.make_dataset(split))
+    with float64():
+        inputs, labels = zip(*min_ddp.make_dataset(split, TRAIN_SIZE if split == "train" else min_ddp.VAL_SIZE))
     return torch.stack(inputs), torch.tensor(labels)
 
 
