@@ -458,7 +458,7 @@ def test_launch_rejects_a_lambda_before_starting_anything():
 
 
 @pytest.mark.parametrize("flag, value", [("--batch-size", "0"), ("--epochs", "-1"), ("--nprocs", "0"),
-                                         ("--lr", "0"), ("--timeout", "0")])
+                                         ("--lr", "0"), ("--timeout", "0"), ("--train-size", "0")])
 def test_min_ddp_rejects_non_positive_settings(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         min_ddp_cli.parse_args([flag, value])
