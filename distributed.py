@@ -73,7 +73,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
     "launch", "launch_mode", "WorkerFailed", "start_workers",
-    "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup", "expand_hostlist",
+    "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "unwrap",
@@ -209,16 +209,6 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM hostlist: ``"node[01-03,7],gpu-a"`` -> node01 node02 node03 node7 gpu-a."""
-    items = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist)  # split at commas outside brackets
-    hosts = [host for item in items for host in _expand_host(item.strip())]
-    if not hosts:
-        raise ValueError(f"expand_hostlist: no host in {hostlist!r}; pass a hostlist such as 'node[1-2]' "
-                         "(under SLURM without SLURM_JOB_NODELIST, set MASTER_ADDR)")
-    return hosts
-
-
 # ------------------------------ Data ---------------------------------------------------------
 def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
                  seed: int = 0) -> Sampler | None:
@@ -342,15 +332,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
         map_location = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "GLOBAL" not in str(e):  # no foreign object named: damaged bytes ("Unsupported operand 47")
-            raise _corrupt(path, e) from e
-        raise pickle.UnpicklingError(
-            f"refusing to load {path}: it holds objects other than tensors and plain containers, "
-            "and unpickling them could run code (weights_only=True). Load it with torch.load("
-            "weights_only=False) only if you trust where it came from"
-        ) from e
     except Exception as e:  # a damaged file fails anywhere in torch's readers, with any exception
+        if isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e):  # torch's message says what to do
+            raise pickle.UnpicklingError(f"refusing to load {path}, it holds objects that could run code: {e}") from e
         raise _corrupt(path, e) from e
     if not isinstance(state, dict):
         raise RuntimeError(f"the snapshot {path} holds a {type(state).__name__}, not a dict")
@@ -637,7 +621,7 @@ def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
         return {"init_method": os.environ[_INIT_METHOD_ENV]}
     if env.mode == "slurm":  # every task derives the same address and port from its job
         nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-        addr = os.environ.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
+        addr = os.environ.get("MASTER_ADDR") or _first_host(nodes)
         port = os.environ.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID") % 20000)
         return {"init_method": f"tcp://{addr}:{port}"}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -651,19 +635,13 @@ def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
     return {"init_method": "env://"}
 
 
-def _expand_host(item: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if match is None:
-        return [item] if item else []
-    head, tail = item[: match.start()], item[match.end():]
-    out = []
-    for part in match.group(1).split(","):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"expand_hostlist: bad range {part!r} in {item!r}")
-        for n in range(int(lo), int(hi or lo) + 1):
-            out.extend(_expand_host(f"{head}{n:0{len(lo)}d}{tail}"))
-    return out
+def _first_host(hostlist: str) -> str:
+    """The first host of a SLURM hostlist, where rank 0 runs: ``"node[01-03,7],gpu-a"`` -> node01."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])*", hostlist).group()  # up to the first comma outside brackets
+    host = re.sub(r"\[(\d+)[-,\d]*\]", r"\1", first)  # each bracket's first number, zero padding kept
+    if not host or "[" in host:
+        raise ValueError(f"cannot read the first host of the SLURM hostlist {hostlist!r}; set MASTER_ADDR")
+    return host
 
 
 def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
@@ -1192,19 +1170,17 @@ def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nc
     in a collective, or not (it never reached it), the innermost frames of the user's code first. Under
     nccl (``nccl``: GPUs are visible) a collective on CUDA tensors returns before it completes and the
     rank blocks at its next synchronizing call: a place outside a collective is only where it blocked."""
-    texts, stacked = {}, set()  # stacked: the ranks placed by a live stack (innermost first)
+    texts = {}
     for rank in sorted(stacks.keys() | {r for r, report in reports.items() if report}):
         stack, tb = stacks.get(rank, ""), (reports.get(rank) or {}).get("traceback", "")
         # A rank caught exiting after its own timeout has no frame of the user's left: its traceback places it.
-        if stack and (not tb or _user_frames(stack, True)[1]):
-            stacked.add(rank)
-        texts[rank] = stack if rank in stacked else tb
+        texts[rank] = stack if stack and (not tb or _user_frames(stack)[1]) else tb
     fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
     lines, waits = [f"Where each rank was when the collective timed out (every stack: {path}):"], {}
     for rank, text in sorted(texts.items()):
-        called, frames = _user_frames(text, innermost_first=rank in stacked)
+        called, frames = _user_frames(text)
         where = " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
         if not text:
             lines.append(f"  rank {rank}: did not answer within 1 s (stopped, or blocked in the kernel)")
@@ -1229,12 +1205,11 @@ def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nc
     return "\n".join(lines)
 
 
-def _user_frames(text: str, innermost_first: bool) -> tuple[str, list[tuple[str, str, str]]]:
-    """From a faulthandler dump (innermost first) or a traceback (innermost last), the main thread's
-    frames of the user's code, innermost first, as (file, line, function), and the function the
-    innermost of them called ("" if none)."""
+def _user_frames(text: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """From a faulthandler dump or a traceback, the main thread's frames of the user's code, innermost
+    first, as (file, line, function), and the function the innermost of them called ("" if none)."""
     main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
-    frames = _FRAME.findall(main[0])[:: 1 if innermost_first else -1]
+    frames = _FRAME.findall(main[0])[:: 1 if "(most recent call first)" in main[0] else -1]
     stdlib = sysconfig.get_paths()["stdlib"]
     ours = [i for i, (file, _, _) in enumerate(frames)
             if not (file == __file__ or f"{os.sep}torch{os.sep}" in file or file.startswith((stdlib, "<")))]
