@@ -824,7 +824,7 @@ def _restore(ckpt: Checkpointer, saved: dict) -> None:
     torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
     if mine["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
-    ckpt.state.update(mine["state"])
+    ckpt.state.update(_on_devices_of(mine["state"], ckpt.state))
     ckpt.epoch, ckpt.steps, ckpt.epoch_steps = saved["epoch"], saved["steps"], saved["epoch_steps"]
     where = f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}" if ckpt.epoch_steps else \
         f"after {ckpt.epoch} epoch(s)" if ckpt.loader is not None else f"after step {ckpt.steps}"
@@ -869,6 +869,18 @@ def _agreed_snapshot(path: str | None) -> dict | None:
         raise RuntimeError(f"the ranks found different snapshots at {path} ({seen}): every rank must resume the "
                            "same one. Put the snapshot on a file system every node sees (a shared directory), "
                            "not on a node's local disk")
+    return saved
+
+
+def _on_devices_of(saved: Any, current: Any) -> Any:
+    """``saved`` with every tensor on the device of the value it replaces in ``current`` (a CPU counter stays
+    on the CPU): load_checkpoint put them all on this rank's device."""
+    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
+        return saved.to(current.device)
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {key: _on_devices_of(value, current.get(key)) for key, value in saved.items()}
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        return [_on_devices_of(value, now) for value, now in zip(saved, current)]
     return saved
 
 

@@ -63,6 +63,12 @@ JOB = textwrap.dedent('''
         check(loaded["weights"], torch.zeros(3), device)   # the primary's, mapped to this rank's GPU
         check(loaded["steps"], torch.arange(3), device)
         torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
+        model, kept = torch.nn.Linear(2, 1).to(device), {{"cpu": torch.ones(2), "gpu": torch.ones(2, device=device)}}
+        distributed.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
+        kept = {{"cpu": torch.zeros(2), "gpu": torch.zeros(2, device=device)}}
+        distributed.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
+        check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
+        check(kept["gpu"], torch.ones(2), device)
         if behaviour == "raise" and rank == 1:
             time.sleep(0.5)                                  # rank 0 waits in the reduce below
             torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight

@@ -486,6 +486,24 @@ def test_save_without_a_snapshot_path_is_an_error_naming_it():
             signal.signal(signum, handler)
 
 
+
+def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces(tmp_path):
+    """load_checkpoint maps a snapshot onto this rank's GPU; a tensor the user keeps elsewhere (a CPU counter on
+    a GPU machine) must come back there. Without a GPU, the 'meta' device stands in for 'elsewhere'."""
+    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
+    path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
+    try:
+        distributed.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
+                                                     "listed": [torch.ones(1)], "count": 3}).save()
+        meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
+        state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "count": 0}
+        distributed.Checkpointer(path, model, state=state)
+    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    assert [state["kept"].device.type, state["nested"]["n"].device.type, state["listed"][0].device.type] == ["meta"] * 3
+    assert state["count"] == 3
+
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
 @settings(max_examples=examples(10), deadline=None)
 @given(n=st.integers(1, 40), world=st.sampled_from([1, 2]), shuffle=st.booleans(), pad=st.booleans(),
