@@ -346,17 +346,23 @@ def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(
 
 
 @pytest.mark.skipif(not shutil.which("torchrun"), reason="torchrun is not on PATH")
-def test_torchrun_agent_sigterm_reaches_the_workers_which_save_before_its_30_s(uninterrupted, tmp_path):
+def test_torchrun_agent_forwards_sigterm_and_usr1_when_asked_and_the_workers_save_before_its_30_s(uninterrupted,
+                                                                                                   tmp_path):
+    """SIGTERM reaches the workers through torchrun's agent as is. USR1 (SLURM's early warning) only with the
+    README's --signals-to-handle: by default the agent dies of it and its workers with it, nothing saved."""
     model, done = uninterrupted
     snap = tmp_path / "snap.pt"
     flags = [*FLAGS[2:], "--snapshot", str(snap), "--save-model", str(tmp_path / "model.pt")]
-    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", min_ddp_driver(tmp_path), *flags]
-    code, out, err = signal_once_printed([*torchrun, "--log-every", "1"], tmp_path, "[global] epoch 1 step 2/16",
-                                         lambda pid: os.kill(pid, signal.SIGTERM))
-    assert "stopped by SIGTERM" in out, out + err
-    assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
-    out = subprocess.run(torchrun, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, **SETTINGS})
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2"]
+    usr1 = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+    for line, signum, agent_flags in [("[global] epoch 1 step 2/16", signal.SIGTERM, []),
+                                      ("[global] epoch 2 step 2/16", signal.SIGUSR1, [usr1])]:
+        code, out, err = signal_once_printed([*torchrun, *agent_flags, min_ddp_driver(tmp_path), *flags, "--log-every",
+                                              "1"], tmp_path, line, lambda pid: os.kill(pid, signum))
+        assert f"stopped by {signum.name}" in out, out + err
+        assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
+    out = subprocess.run([*torchrun, min_ddp_driver(tmp_path), *flags], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=180, env={**os.environ, **SETTINGS})
     assert out.returncode == 0, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
