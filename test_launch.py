@@ -16,11 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -708,30 +710,37 @@ def test_workers_see_the_same_main_module_with_or_without_numpy(tmp_path, env):
     assert sorted(out.stdout.splitlines()) == [f"rank {r}: global max_iters=40, passed max_iters=99" for r in (0, 1)]
 
 
-def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, tmp_path):
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A job's TMPDIR, short: the forkserver's socket lives there and AF_UNIX takes 107 bytes, which pytest's
+    tmp_path outgrows once its numbered directories reach pytest-100 (".../popen-gw0/test_.../pymp-.../")."""
+    path = Path(tempfile.mkdtemp(prefix="ddp-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, short_tmpdir):
     """`timeout 60 python train.py`: GNU timeout sends SIGTERM to the launcher, then to its process group.
     The second one interrupted launch()'s cleanup and left its temporary directory behind. Here the
     workers ignore SIGTERM, so the cleanup waits its grace period and the second signal lands inside it."""
-    j = job("ignore-sigterm", "0", "2", env={"TMPDIR": str(tmp_path / "tmp"), "GRACE": "2"})  # then SIGKILL
-    (tmp_path / "tmp").mkdir()
+    j = job("ignore-sigterm", "0", "2", env={"TMPDIR": str(short_tmpdir), "GRACE": "2"})  # then SIGKILL
     j.wait_ready(2)
     os.kill(j.proc.pid, signal.SIGTERM)
     time.sleep(0.2)  # inside the 0.5 s grace period
     os.kill(j.proc.pid, signal.SIGTERM)
     code, out, err = j.finish()
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), err
-    assert list((tmp_path / "tmp").iterdir()) == [], "launch() left its directories behind"
+    assert list(short_tmpdir.iterdir()) == [], "launch() left its directories behind"
     assert j.leftovers() == []
 
 
 @pytest.mark.skipif(not shutil.which("timeout"), reason="GNU timeout is missing")
-def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, tmp_path):
+def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, short_tmpdir):
     j = job(command=["timeout", "-s", "TERM", "4", sys.executable, "job.py", "ignore-sigterm", "0", "2"],
-            env={"TMPDIR": str(tmp_path / "tmp"), "GRACE": "2"})
-    (tmp_path / "tmp").mkdir()
+            env={"TMPDIR": str(short_tmpdir), "GRACE": "2"})
     code, out, err = j.finish(timeout=60)
     assert code == 124, err  # timeout's own code: the command was stopped by it
-    assert list((tmp_path / "tmp").iterdir()) == [], "launch() left its directories behind"
+    assert list(short_tmpdir.iterdir()) == [], "launch() left its directories behind"
     assert j.leftovers() == []
 
 
