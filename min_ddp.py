@@ -62,8 +62,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     metrics = {"unlogged": zeros, "epoch": zeros.clone(), "train_loss": float("nan"), "world": world}
     try:  # restores the model, optimizer, RNG, position and metrics from --snapshot if it exists
         ckpt = distributed.Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.grad_accum,
-                                        settings={"--seed": args.seed, "--lr": args.lr}, state=metrics,
-                                        check_every=args.check_every)
+                                        settings={"--seed": args.seed, "--lr": args.lr, "--train-size": args.train_size},
+                                        state=metrics, check_every=args.check_every)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     if metrics["world"] != world:  # resumed at another world size: per-rank sums cannot be split

@@ -94,13 +94,14 @@ def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(s
 
 
 def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differs(one_epoch, tmp_path):
-    """A resume with another seed or lr would silently train another run; one line, no traceback."""
+    """A resume with another seed, lr or dataset would silently train another run; one line, no traceback."""
     path = shutil.copy(one_epoch, tmp_path / "snap.pt")
     refused = run_min_ddp(tmp_path, "--nprocs", "1", "--epochs", "2", "--seed", "6", "--lr", "0.5", "--snapshot",
-                          str(path), **SETTINGS)
+                          str(path), **{**SETTINGS, "TRAIN_SIZE": "1024"})
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     assert refused.stderr.strip() == (f"min_ddp: the snapshot {path} belongs to another run: --seed: 5 there, 6 here; "
-                                      "--lr: 0.01 there, 0.5 here. Continue it with its settings, or use another path. "
+                                      "--lr: 0.01 there, 0.5 here; --train-size: 2048 there, 1024 here. Continue it "
+                                      "with its settings, or use another path. "
                                       "May change on resume: anything else (epochs, logging, loader workers...), and "
                                       "the processes and batch size per process (mid-epoch keeping the global batch)")
     # At an epoch's end these may change, the global batch included.
