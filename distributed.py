@@ -38,6 +38,7 @@ of the processes launch() starts. Standard library and torch (2.8 or newer) only
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -67,6 +68,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
+# Before any group exists: its functions take group.WORLD as a default argument, so imported later (DDP
+# imports it, through torch._dynamo) they would hold the group, and gloo's threads, past cleanup().
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler, Sampler
@@ -203,10 +207,13 @@ def cleanup() -> None:
             # In a `finally:` while an error propagates (a stop is a normal end), destroying would wait for NCCL
             # work the peers never finish, and the error would surface, if ever, as the watchdog's SIGABRT.
             return  # the process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
-        # DDP and finished gloo work sit in reference cycles; left for interpreter shutdown, gloo's threads free
-        # them after Python is gone: "terminate called without an active exception". pytorch PR #179291
-        gc.collect()
+        group = [dist.group.WORLD]
         dist.destroy_process_group()
+        # gloo's threads take the GIL to free finished work's tensors, and freeing the group joins them: freed by a
+        # DDP reducer, which holds the GIL, that deadlocks; at interpreter shutdown it aborts a finished job
+        # ("terminate called without an active exception"). So its Python object keeps it until exit, when the
+        # DDP models (in reference cycles) are collected, and then frees it, the GIL released, Python still whole.
+        atexit.register(lambda: (gc.collect(), group.clear()))
 
 
 # ------------------------------ Data ---------------------------------------------------------

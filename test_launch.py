@@ -481,6 +481,58 @@ def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path
     assert_same_model(path, spawn_model)
 
 
+AT_EXIT = textwrap.dedent('''
+    import atexit, gc, glob, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import distributed
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def gloo_threads():  # registered first, so it runs last at exit: just before the interpreter finalizes
+        names = [open(comm).read().strip() for comm in glob.glob("/proc/self/task/*/comm")]
+        print("gloo threads at exit:", sorted(name for name in names if "gloo" in name), flush=True)
+
+    def worker(local_rank, world_size):
+        distributed.init_process_group(local_rank, world_size)
+        model = torch.nn.Linear(4, 1)
+        ddp, optimizer = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
+        cycle = [ddp]
+        cycle.append(cycle)  # garbage in a reference cycle keeps the model until a collection
+        for _ in range(2):
+            loss = ddp(torch.randn(8, 4)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        distributed.print_primary("ranks:", distributed.reduce(1).item())
+        distributed.cleanup()  # with the DDP model alive here, as in the module docstring
+
+    if __name__ == "__main__":
+        gc.disable()  # whether a collection happens to run before exit depends on allocations: here none does
+        atexit.register(gloo_threads)
+        distributed.launch(worker)
+''')
+
+
+def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(tmp_path):
+    """gloo's threads taking the GIL during shutdown abort a finished job ("terminate called without an active
+    exception", seen under torchrun). They end with the group: cleanup() must have it freed before shutdown, though
+    torch.distributed.nn's defaults (imported by DDP) and the caller's DDP model, garbage in a cycle, hold it.
+    (Freed by DDP's reducer, which holds the GIL, it deadlocks: the docstring example under torchrun shows it.)"""
+    script, port = tmp_path / "at_exit.py", free_port()
+    script.write_text(AT_EXIT.format(repo=HERE))
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert "ranks: 2" in outputs[0][0]
+    assert [out.splitlines()[-1] for out, _ in outputs] == ["gloo threads at exit: []"] * 2, outputs
+
+
 # ---------------------------------------------------------------------------------------------
 # 10. SLURM
 # ---------------------------------------------------------------------------------------------
