@@ -1022,7 +1022,9 @@ def _start_context() -> Any:
     """forkserver: it imports torch once and forks every worker from that clean state; each imports the
     main script afresh, as mp.spawn's do, whatever threads the launcher has. (A fork of a launcher whose
     OpenMP threads exist hangs at its first parallel op: https://gcc.gnu.org/bugzilla/show_bug.cgi?id=60035)"""
-    if "forkserver" not in mp.get_all_start_methods():
+    # Its socket is $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: over AF_UNIX's 107 bytes (a long TMPDIR on a cluster),
+    # Python < 3.13 fails with "AF_UNIX path too long" (python/cpython#132124). spawn needs no socket.
+    if "forkserver" not in mp.get_all_start_methods() or len(tempfile.gettempdir()) + 32 > 107:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", __name__])

@@ -304,9 +304,12 @@ def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_
 # ---------------------------------------------------------------------------------------------
 
 
-def test_four_jobs_launched_at_once_all_succeed(job):
-    """Any port two jobs both pick makes one fail here: the rendezvous is a file in each job's own directory."""
-    jobs = [job("ok", "0", "2") for _ in range(4)]
+def test_four_jobs_launched_at_once_all_succeed_one_under_a_tmpdir_too_long_for_a_socket(job, tmp_path):
+    """Any port two jobs both pick makes one fail here: the rendezvous is a file in each job's own directory.
+    One job's TMPDIR is over 80 characters: a forkserver's socket below it would exceed AF_UNIX's 107 bytes."""
+    long_tmpdir = tmp_path / ("t" * 80)
+    long_tmpdir.mkdir()
+    jobs = [job("ok", "0", "2", env={"TMPDIR": str(long_tmpdir)} if i == 0 else None) for i in range(4)]
     results = [j.finish(timeout=300) for j in jobs]
     failures = [(code, err[-2000:]) for code, out, err in results if code != 0 or "job ok" not in out]
     assert failures == [], failures[0]
