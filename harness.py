@@ -371,6 +371,28 @@ def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -
                           env={**os.environ, **(env or {})})
 
 
+def start_ranks(command: list[str], cwd: str | os.PathLike, world: int = 2, prefixes: list | None = None) -> list:
+    """``world`` ranks of ``python *command`` started by hand, as torchrun would (no launcher watching over them);
+    ``prefixes[rank]`` goes before a rank's command (``unshare ...``)."""
+    common = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([*(prefixes or [[]] * world)[rank], sys.executable, *command], cwd=cwd,
+                             env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+
+
+def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
+    """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a hang: all
+    are killed and the test fails."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"hung, killed after {timeout} s: {[p.communicate() for p in procs]}") from None
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
 def free_port() -> int:
     """A port free right now, for tests that must pass one explicitly (MASTER_PORT, torchrun)."""
     with socket.socket() as s:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import distributed
-from harness import HERE, cannot_run, free_port, leftover_processes, run_script, wait_for_job
+from harness import HERE, cannot_run, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
 
 # A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
 # writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
@@ -471,13 +471,9 @@ def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path
                                # launch() gives 2 processes on 2 cores (torchrun sets it only for >1/node).
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
               for _ in range(2)]
-    try:
-        outputs = [a.communicate(timeout=240) for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    assert [a.returncode for a in agents] == [0, 0], [err[-2000:] for _, err in outputs]
-    primaries = [out for out, _ in outputs if "done:" in out]
+    results = finish(agents, timeout=240)
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    primaries = [out for _, out, _ in results if "done:" in out]
     assert len(primaries) == 1, "exactly one agent's worker is the global primary"
     assert "[rank 0]" in primaries[0] and "[rank 1]" in primaries[0], "distinct global ranks 0 and 1"
     assert "mode=torchrun world=2" in primaries[0]
@@ -521,19 +517,11 @@ def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(tmp_path):
     exception", seen under torchrun). They end with the group: cleanup() must have it freed before shutdown, though
     torch.distributed.nn's defaults (imported by DDP) and the caller's DDP model, garbage in a cycle, hold it.
     (Freed by DDP's reducer, which holds the GIL, it deadlocks: the docstring example under torchrun shows it.)"""
-    script, port = tmp_path / "at_exit.py", free_port()
-    script.write_text(AT_EXIT.format(repo=HERE))
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    assert "ranks: 2" in outputs[0][0]
-    assert [out.splitlines()[-1] for out, _ in outputs] == ["gloo threads at exit: []"] * 2, outputs
+    (tmp_path / "at_exit.py").write_text(AT_EXIT.format(repo=HERE))
+    results = finish(start_ranks(["at_exit.py"], tmp_path), timeout=120)
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert "ranks: 2" in results[0][1]
+    assert [out.splitlines()[-1] for _, out, _ in results] == ["gloo threads at exit: []"] * 2, results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,8 +755,9 @@ def test_workers_see_the_same_main_module_with_or_without_numpy(tmp_path, env):
 
 @pytest.fixture
 def short_tmpdir() -> Iterator[Path]:
-    """A job's TMPDIR, short: the forkserver's socket lives there and AF_UNIX takes 107 bytes, which pytest's
-    tmp_path outgrows once its numbered directories reach pytest-100 (".../popen-gw0/test_.../pymp-.../")."""
+    """A job's TMPDIR, short enough for the forkserver's socket (AF_UNIX takes 107 bytes), so that the job runs
+    launch()'s default path; under pytest's tmp_path, once its numbered directories reach pytest-100, it falls
+    back to spawn."""
     path = Path(tempfile.mkdtemp(prefix="ddp-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -12,7 +12,6 @@ in this suite goes through it, and test_ddp.py's training properties draw "gloo"
 from __future__ import annotations
 
 import glob
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import HERE, build_model, cannot_run, examples, free_port, task_train
+from harness import HERE, build_model, cannot_run, examples, finish, start_ranks, task_train
 from shared_memory_allreduce import shared_memory_allreduce
 
 # python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun
@@ -89,27 +88,9 @@ def job_script(tmp_path: Path) -> Path:
     return script
 
 
-def start_ranks(tmp_path: Path, behaviour: str, width: int, prefixes: tuple[list, list] = ([], [])) -> list:
-    """Two ranks started by hand, as torchrun would (no launcher watching over them)."""
-    script, port = job_script(tmp_path), free_port()
-    common = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([*prefixes[rank], sys.executable, str(script), behaviour, str(width)],
-                             env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank in range(2)]
-
-
-def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
-    """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a
-    hang: all are killed and the test fails."""
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"hung: {[p.communicate() for p in procs]}")
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+def job_ranks(tmp_path: Path, behaviour: str, width: int, prefixes: list | None = None) -> list:
+    """The job's two ranks, started by hand as torchrun would (no launcher watching over them)."""
+    return start_ranks([str(job_script(tmp_path)), behaviour, str(width)], tmp_path, prefixes=prefixes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +161,7 @@ def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
 
 def test_dead_peer_is_named_within_seconds_instead_of_a_hang(tmp_path):
     before = our_shm_files()
-    procs = start_ranks(tmp_path, "die", 8)
+    procs = job_ranks(tmp_path, "die", 8)
     (code0, out0, err0), (code1, _, _) = finish(procs)
     assert code1 == 3
     assert code0 != 0 and "exact=" not in out0
@@ -189,7 +170,7 @@ def test_dead_peer_is_named_within_seconds_instead_of_a_hang(tmp_path):
 
 
 def test_stalled_peer_fails_after_the_timeout_naming_it(tmp_path):
-    procs = start_ranks(tmp_path, "stall", 8)
+    procs = job_ranks(tmp_path, "stall", 8)
     try:
         code0, _, err0 = finish(procs[:1])[0]
     finally:
@@ -207,7 +188,7 @@ def test_stalled_peer_fails_after_the_timeout_naming_it(tmp_path):
 @needs_private_shm
 def test_ranks_that_do_not_share_dev_shm_keep_gloo(tmp_path):
     """Rank 1 sees another /dev/shm, as on another host or in another container."""
-    results = finish(start_ranks(tmp_path, "ok", 8, prefixes=([], [*PRIVATE_SHM, "1M"])))
+    results = finish(job_ranks(tmp_path, "ok", 8, prefixes=[[], [*PRIVATE_SHM, "1M"]]))
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, err
         assert f"rank {rank} hooked=False" in out and "exact=True replicas_equal=True" in out, out

@@ -492,7 +492,6 @@ def test_save_without_a_snapshot_path_is_an_error_naming_it():
             signal.signal(signum, handler)
 
 
-
 def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces(tmp_path):
     """load_checkpoint maps a snapshot onto this rank's GPU; a tensor the user keeps elsewhere (a CPU counter on
     a GPU machine) must come back there. Without a GPU, the 'meta' device stands in for 'elsewhere'."""
@@ -509,6 +508,7 @@ def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces
             signal.signal(signum, handler)
     assert [state["kept"].device.type, state["nested"]["n"].device.type, state["listed"][0].device.type] == ["meta"] * 3
     assert state["count"] == 3
+
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
 @settings(max_examples=examples(10), deadline=None)
