@@ -833,8 +833,8 @@ def _restore(ckpt: Checkpointer, saved: dict) -> None:
         torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
     ckpt.state.update(_on_devices_of(mine["state"], ckpt.state))
     ckpt.epoch, ckpt.steps, ckpt.epoch_steps = saved["epoch"], saved["steps"], saved["epoch_steps"]
-    where = f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}" if ckpt.epoch_steps else \
-        f"after {ckpt.epoch} epoch(s)" if ckpt.loader is not None else f"after step {ckpt.steps}"
+    where = f"after step {ckpt.steps}" if ckpt.loader is None else f"after {ckpt.epoch} epoch(s)" \
+        if not ckpt.epoch_steps else f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}"
     print_primary(f"resumed from {ckpt.path} {where} (saved at world size {len(ranks)})")
 
 

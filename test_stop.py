@@ -200,7 +200,7 @@ def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(
     assert stopped.returncode == 138 and "stopped by SIGUSR1 after step 12; saved to" in stopped.stdout, stopped.stderr
     assert not (tmp_path / "resumed.pt").exists()
     resumed = command("snap.pt", "resumed.pt", 0)
-    assert resumed.returncode == 0 and "after step 12 (saved at world size 2)" in resumed.stdout, resumed.stderr
+    assert resumed.returncode == 0 and f"resumed from {tmp_path / 'snap.pt'} after step 12 (saved at world size 2)" in resumed.stdout, resumed.stderr
     expected, got = distributed.load_checkpoint(tmp_path / "straight.pt"), distributed.load_checkpoint(tmp_path / "resumed.pt")
     assert (got["best"], got["sum"]) == (expected["best"], expected["sum"]) and torch.equal(got["losses"], expected["losses"])
     assert_bitwise_equal(got["model"], expected["model"], "final model")
