@@ -310,7 +310,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     (tensors, numbers, strings, and containers of them) is accepted: else a TypeError before writing.
     """
     state = _strip_wrapper_prefixes(state)
-    _check_weights_only(state, "state")  # fail now, not at resume time
+    _check_weights_only(state, "save_checkpoint: state")  # fail now, not at resume time
     error = None
     if is_primary():
         try:
@@ -376,22 +376,24 @@ class Checkpointer:
                 ...; optimizer.step()
                 ckpt.step()
 
-        ckpt = distributed.Checkpointer("ckpt.pt", model, optimizer, state=state)  # no epochs, no sampler
-        while ckpt.steps < max_iters:       # state, e.g. {"best_val_loss": 1e9}: restored in place
-            ...; optimizer.step()
+        state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
+        ckpt = distributed.Checkpointer("ckpt.pt", model, optimizer, state=state)
+        while ckpt.steps < max_iters:
+            ...; optimizer.step(); scheduler.step()
             ckpt.step()
 
-    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same
-    snapshot (on a file system every node sees), else every rank fails. A snapshot whose ``settings``
-    (what defines the run: seed, learning rate...) differ is refused, naming each difference. It restores
-    the model, the optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors,
-    dicts and lists of them; each rank its own, at another world size rank 0's). ``epochs(n)`` snapshots
-    at every epoch's end. ``step()``: a snapshot every ``save_every`` steps (0: none), and every
-    ``check_every`` steps one all-reduce asks whether any rank got a stop signal: then every rank saves
-    this step, the primary requeues the job (under SLURM, for the time limit's warning USR1/USR2 only, not
-    SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and every rank raises
-    Stopped (exit 128 + the signal, 75 if the requeue failed). A mid-epoch snapshot resumes at another
-    number of processes with the same global batch (``loader.batch_size`` x ``grad_accum`` x processes).
+    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
+    (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what defines the
+    run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
+    optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
+    them, objects with ``state_dict()`` and ``load_state_dict()`` such as an LR scheduler or a GradScaler; each
+    rank its own, at another world size rank 0's). ``epochs(n)`` snapshots at every epoch's end. ``step()``: a
+    snapshot every ``save_every`` steps (0: none), and every ``check_every`` steps one all-reduce asks whether
+    any rank got a stop signal: then every rank saves this step, the primary requeues the job (under SLURM, for
+    the time limit's warning USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most
+    ``max_requeues`` times), and every rank raises Stopped (exit 128 + the signal, 75 if the requeue failed). A
+    mid-epoch snapshot resumes at another number of processes with the same global batch (``loader.batch_size``
+    x ``grad_accum`` x processes).
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
@@ -407,7 +409,8 @@ class Checkpointer:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
         self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
-        _check_weights_only(self.settings, "settings")  # a snapshot must hold them: fail now, not at the save
+        for name, value in (("settings", self.settings), ("state", _state_dicts(self.state))):
+            _check_weights_only(value, f"Checkpointer: {name}")  # a snapshot holds them: fail now, not at a save
         if (saved := _agreed_snapshot(self.path)) is not None:
             _restore(self, saved)
         self._resumed_at = self.steps
@@ -440,7 +443,7 @@ class Checkpointer:
         if not self.path:
             raise ValueError("Checkpointer.save: this Checkpointer has no snapshot path (path=None); give it one")
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        ranks = _all_gather_objects({"rng": torch.get_rng_state(), "cuda_rng": cuda, "state": self.state})
+        ranks = _all_gather_objects({"rng": torch.get_rng_state(), "cuda_rng": cuda, "state": _state_dicts(self.state)})
         save_checkpoint({"model": self.model.state_dict(), "steps": self.steps, "epoch": self.epoch,
                          "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                          "epoch_steps": self.epoch_steps, "global_batch": self._per_step * get_world_size(),
@@ -748,7 +751,7 @@ def _check_weights_only(obj: Any, where: str) -> None:
         for i, value in enumerate(obj):
             _check_weights_only(value, f"{where}[{i}]")
     elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
-        raise TypeError(f"save_checkpoint: {where} is a {type(obj).__qualname__}, which torch.load("
+        raise TypeError(f"{where} is a {type(obj).__qualname__}, which torch.load("
                         "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
                         "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
 
@@ -831,7 +834,11 @@ def _restore(ckpt: Checkpointer, saved: dict) -> None:
     torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
     if mine["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
-    ckpt.state.update(_on_devices_of(mine["state"], ckpt.state))
+    for key, value in _on_devices_of(mine["state"], ckpt.state).items():
+        if hasattr(ckpt.state.get(key), "load_state_dict"):  # an LR scheduler, a GradScaler...
+            ckpt.state[key].load_state_dict(value)
+        else:
+            ckpt.state[key] = value
     ckpt.epoch, ckpt.steps, ckpt.epoch_steps = saved["epoch"], saved["steps"], saved["epoch_steps"]
     where = f"after step {ckpt.steps}" if ckpt.loader is None else f"after {ckpt.epoch} epoch(s)" \
         if not ckpt.epoch_steps else f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}"
@@ -877,6 +884,11 @@ def _agreed_snapshot(path: str | None) -> dict | None:
                            "same one. Put the snapshot on a file system every node sees (a shared directory), "
                            "not on a node's local disk")
     return saved
+
+
+def _state_dicts(state: dict) -> dict:
+    """The user's state as a snapshot holds it: an object with load_state_dict() (an LR scheduler) as its state_dict()."""
+    return {key: value.state_dict() if hasattr(value, "load_state_dict") else value for key, value in state.items()}
 
 
 def _on_devices_of(saved: Any, current: Any) -> Any:

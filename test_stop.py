@@ -159,7 +159,9 @@ OWN_LOOP = textwrap.dedent('''
         torch.manual_seed(1337 + distributed.get_rank())  # nanoGPT: each rank draws its own batches
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        state = {{"best_loss": float("inf"), "loss_sum": 0.0, "losses": torch.zeros(3, dtype=torch.float64)}}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        state = {{"best_loss": float("inf"), "loss_sum": 0.0, "losses": torch.zeros(3, dtype=torch.float64),
+                 "scheduler": scheduler}}
         try:
             ckpt = distributed.Checkpointer(path, model, optimizer, state=state, check_every=1)
             ddp = DDP(model)
@@ -169,6 +171,7 @@ OWN_LOOP = textwrap.dedent('''
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+                scheduler.step()
                 mean = distributed.reduce(loss.detach(), "mean").item()
                 state["best_loss"], state["loss_sum"] = min(state["best_loss"], mean), state["loss_sum"] + mean
                 state["losses"] = torch.cat([state["losses"][1:], loss.detach().view(1)])
@@ -187,8 +190,8 @@ OWN_LOOP = textwrap.dedent('''
 
 def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(tmp_path):
     """The Checkpointer in a loop of the user's own: the model, AdamW's state, each rank's RNG (its next
-    random batch) and the user's state (the best loss, their sum, the last 3) come back; the result is bitwise
-    the uninterrupted run's."""
+    random batch) and the user's state (the best loss, their sum, the last 3, the LR scheduler's position)
+    come back; the result is bitwise the uninterrupted run's."""
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP.format(repo=HERE))
     command = lambda path, out, stop: subprocess.run([sys.executable, str(script), str(tmp_path / path),  # noqa: E731
