@@ -419,12 +419,17 @@ class Checkpointer:
     def epochs(self, epochs: int) -> Iterator[int]:
         """The epochs left to train, each with the loader's sampler set (a new shuffle, the samples done)."""
         sampler = getattr(self.loader, "sampler", None)
+        if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
+            sampler = getattr(getattr(self.loader, "batch_sampler", None), "sampler", sampler)
         for self.epoch in range(self.epoch, epochs):
-            if isinstance(sampler, _Sampler):
+            if isinstance(sampler, _Sampler) and self._per_step:
                 sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
             elif self.epoch_steps and self.loader is not None:
-                raise ValueError(f"Checkpointer: the loader's sampler is a {type(sampler).__name__}, which cannot "
-                                 "start mid-epoch; use distributed.data_sampler(...)")
+                raise ValueError(f"Checkpointer: the snapshot stopped mid-epoch and this loader cannot start there "
+                                 f"(got: a {type(sampler).__name__}, batch_size={getattr(self.loader, 'batch_size', None)}); use "
+                                 "DataLoader(data, batch_size=..., sampler=distributed.data_sampler(...))")
+            elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
+                sampler.set_epoch(self.epoch)
             yield self.epoch
             self.epoch, self.epoch_steps = self.epoch + 1, 0
             if self.path:

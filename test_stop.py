@@ -8,6 +8,7 @@ itself (``STOP_AT``), as a scheduler's signal reaching one process of a job woul
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from typing import Callable
 
 import pytest
 import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -475,6 +477,7 @@ def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(s
     ({"grad_accum": 2.0}, "grad_accum must be an integer >= 1, got: 2.0"),
     ({"save_every": -1}, "save_every must be an integer >= 0, got: -1"),
     ({"settings": {"args": object()}}, r"settings\['args'\] is a object, which torch.load\(weights_only=True\) refuses"),
+    ({"state": {"args": argparse.Namespace()}}, r"Checkpointer: state\['args'\] is a Namespace"),  # not at a save
     ({"path": "/no/such/dir/run.pt"}, "cannot write snapshots to /no/such/dir/run.pt: its directory is missing"),
 ])
 def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwargs, message):
@@ -511,6 +514,36 @@ def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces
             signal.signal(signum, handler)
     assert [state["kept"].device.type, state["nested"]["n"].device.type, state["listed"][0].device.type] == ["meta"] * 3
     assert state["count"] == 3
+
+
+@pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
+def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_the_loader_holds(tmp_path, wrap):
+    """ckpt.epochs() calls set_epoch on the loader's sampler also when it is torch's own, or batched by a
+    batch_sampler; a mid-epoch snapshot such a loader cannot continue exactly is refused, not silently redone."""
+    data = TensorDataset(torch.arange(16))
+    if wrap == "torch's DistributedSampler":
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+    else:
+        sampler = distributed.data_sampler(data, True, shuffle=True)
+        loader = DataLoader(data, batch_sampler=BatchSampler(sampler, batch_size=4, drop_last=False))
+    expected = []  # what the sampler gives when its epoch is set by hand
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        expected.append(list(sampler))
+    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
+    try:
+        ckpt = distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
+        got = [torch.cat([x for x, in loader]).tolist() for _ in ckpt.epochs(3)]
+        assert got == expected and expected[0] != expected[1], got
+        ckpt.epoch, ckpt.epoch_steps = 1, 2
+        ckpt.save()
+        resumed = distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
+        with pytest.raises(ValueError, match=r"stopped mid-epoch and this loader cannot start there \(got: a "):
+            next(resumed.epochs(3))
+    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
