@@ -408,6 +408,8 @@ class Checkpointer:
                                    "check_every": (check_every, 1), "max_requeues": (max_requeues, 0)}.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        if getattr(_launcher_env(), "world_size", 1) > 1 and not _has_group():  # it would restore as a world of 1
+            raise RuntimeError("Checkpointer: no process group yet; construct it after distributed.init_process_group()")
         self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
         for name, value in (("settings", self.settings), ("state", _state_dicts(self.state))):
             _check_weights_only(value, f"Checkpointer: {name}")  # a snapshot holds them: fail now, not at a save

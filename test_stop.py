@@ -478,11 +478,15 @@ def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(s
     ({"save_every": -1}, "save_every must be an integer >= 0, got: -1"),
     ({"settings": {"args": object()}}, r"settings\['args'\] is a object, which torch.load\(weights_only=True\) refuses"),
     ({"state": {"args": argparse.Namespace()}}, r"Checkpointer: state\['args'\] is a Namespace"),  # not at a save
+    ({"env": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}}, "no process group yet; construct it after "
+                                                                  r"distributed.init_process_group\(\)"),
     ({"path": "/no/such/dir/run.pt"}, "cannot write snapshots to /no/such/dir/run.pt: its directory is missing"),
 ])
-def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwargs, message):
+def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwargs, message, monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises((ValueError, TypeError), match=message):
+    for name, value in kwargs.pop("env", {}).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
         distributed.Checkpointer(kwargs.pop("path", None), torch.nn.Linear(2, 1), **kwargs)
     assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
