@@ -905,8 +905,8 @@ def _on_devices_of(saved: Any, current: Any) -> Any:
         return saved.to(current.device)
     if isinstance(saved, dict) and isinstance(current, dict):
         return {key: _on_devices_of(value, current.get(key)) for key, value in saved.items()}
-    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
-        return [_on_devices_of(value, now) for value, now in zip(saved, current)]
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+        return type(saved)(_on_devices_of(value, now) for value, now in zip(saved, current))
     return saved
 
 

@@ -505,15 +505,17 @@ def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces
     path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
     try:
         distributed.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
-                                                     "listed": [torch.ones(1)], "count": 3}).save()
+                                                     "listed": [torch.ones(1)], "pair": (torch.ones(1), 1),
+                                                     "count": 3}).save()
         meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
-        state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "count": 0}
+        state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "pair": (meta(1), 0), "count": 0}
         distributed.Checkpointer(path, model, state=state)
     finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
         for signum, handler in before.items():
             signal.signal(signum, handler)
-    assert [state["kept"].device.type, state["nested"]["n"].device.type, state["listed"][0].device.type] == ["meta"] * 3
-    assert state["count"] == 3
+    kept = [state["kept"], state["nested"]["n"], state["listed"][0], state["pair"][0]]
+    assert [tensor.device.type for tensor in kept] == ["meta"] * 4
+    assert state["count"] == 3 and state["pair"][1] == 1 and isinstance(state["pair"], tuple)
 
 
 @pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
