@@ -426,10 +426,11 @@ class Checkpointer:
         for self.epoch in range(self.epoch, epochs):
             if isinstance(sampler, _Sampler) and self._per_step:
                 sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
-            elif self.epoch_steps and self.loader is not None:
-                raise ValueError(f"Checkpointer: the snapshot stopped mid-epoch and this loader cannot start there "
-                                 f"(got: a {type(sampler).__name__}, batch_size={getattr(self.loader, 'batch_size', None)}); use "
-                                 "DataLoader(data, batch_size=..., sampler=distributed.data_sampler(...))")
+            elif self.epoch_steps:  # else the rest of the epoch would silently start over
+                raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only loader=DataLoader(data, batch_size="
+                                 "..., sampler=distributed.data_sampler(...)) can start there (got: loader="
+                                 f"{type(self.loader).__name__}, sampler={type(sampler).__name__}, batch_size="
+                                 f"{getattr(self.loader, 'batch_size', None)})")
             elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
                 sampler.set_epoch(self.epoch)
             yield self.epoch
