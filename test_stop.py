@@ -487,39 +487,39 @@ def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwa
     assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
 
-def test_save_without_a_snapshot_path_is_an_error_naming_it():
+@pytest.fixture
+def stop_signals_restored():
+    """A Checkpointer in the test's own process takes the stop signals: pytest's handling comes back after."""
     before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
-    try:
-        ckpt = distributed.Checkpointer(None, torch.nn.Linear(2, 1))
-        with pytest.raises(ValueError, match=r"Checkpointer.save: this Checkpointer has no snapshot path \(path=None\)"):
-            ckpt.save()
-    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
-def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces(tmp_path):
+def test_save_without_a_snapshot_path_is_an_error_naming_it(stop_signals_restored):
+    ckpt = distributed.Checkpointer(None, torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"Checkpointer.save: this Checkpointer has no snapshot path \(path=None\)"):
+        ckpt.save()
+
+
+def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces(tmp_path, stop_signals_restored):
     """load_checkpoint maps a snapshot onto this rank's GPU; a tensor the user keeps elsewhere (a CPU counter on
     a GPU machine) must come back there. Without a GPU, the 'meta' device stands in for 'elsewhere'."""
-    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
     path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
-    try:
-        distributed.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
-                                                     "listed": [torch.ones(1)], "pair": (torch.ones(1), 1),
-                                                     "count": 3}).save()
-        meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
-        state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "pair": (meta(1), 0), "count": 0}
-        distributed.Checkpointer(path, model, state=state)
-    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+    distributed.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
+                                                 "listed": [torch.ones(1)], "pair": (torch.ones(1), 1),
+                                                 "count": 3}).save()
+    meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
+    state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "pair": (meta(1), 0), "count": 0}
+    distributed.Checkpointer(path, model, state=state)
     kept = [state["kept"], state["nested"]["n"], state["listed"][0], state["pair"][0]]
     assert [tensor.device.type for tensor in kept] == ["meta"] * 4
     assert state["count"] == 3 and state["pair"][1] == 1 and isinstance(state["pair"], tuple)
 
 
 @pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
-def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_the_loader_holds(tmp_path, wrap):
+def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_the_loader_holds(
+        tmp_path, wrap, stop_signals_restored):
     """ckpt.epochs() calls set_epoch on the loader's sampler also when it is torch's own, or batched by a
     batch_sampler; a mid-epoch snapshot that such a loader, or no loader, cannot continue exactly is refused,
     not silently redone."""
@@ -534,20 +534,15 @@ def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_
     for epoch in range(3):
         sampler.set_epoch(epoch)
         expected.append(list(sampler))
-    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
-    try:
-        ckpt = distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
-        got = [torch.cat([x for x, in loader]).tolist() for _ in ckpt.epochs(3)]
-        assert got == expected and expected[0] != expected[1], got
-        ckpt.epoch, ckpt.epoch_steps = 1, 2
-        ckpt.save()
-        for other in (loader, None):  # no loader: the epoch would start over (or another global batch: refused)
-            with pytest.raises(ValueError, match=r"stopped mid-epoch, and only loader=DataLoader\(.*\(got: loader=|"
-                                                 r"stopped in epoch 2 after step 2 with a global batch"):
-                next(distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=other).epochs(3))
-    finally:  # the Checkpointer took the stop signals: pytest's own handling comes back
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+    ckpt = distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
+    got = [torch.cat([x for x, in loader]).tolist() for _ in ckpt.epochs(3)]
+    assert got == expected and expected[0] != expected[1], got
+    ckpt.epoch, ckpt.epoch_steps = 1, 2
+    ckpt.save()
+    for other in (loader, None):  # no loader: the epoch would start over (or another global batch: refused)
+        with pytest.raises(ValueError, match=r"stopped mid-epoch, and only loader=DataLoader\(.*\(got: loader=|"
+                                             r"stopped in epoch 2 after step 2 with a global batch"):
+            next(distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=other).epochs(3))
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
