@@ -723,7 +723,8 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     """Every rank's bytes in rank order, as tensors (lengths, then the bytes padded to the longest):
     torch's object collectives pickle through numpy, which torch does not install."""
     lengths = all_gather(len(data)).tolist()
-    rows = all_gather(torch.tensor(list(data) + [0] * (max(lengths) - len(data)), dtype=torch.uint8))
+    # From the buffer, not byte by byte (a large state saves fast); one byte more: frombuffer refuses an empty one.
+    rows = all_gather(torch.frombuffer(bytearray(data.ljust(max(lengths) + 1, b"\0")), dtype=torch.uint8))
     return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths)]
 
 
