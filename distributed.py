@@ -80,8 +80,8 @@ __all__ = [
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
     "data_sampler",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
-    "save_checkpoint", "load_checkpoint", "unwrap",
-    "Checkpointer", "Stopped", "STOP_SIGNALS", "stop_requested", "requeue",
+    "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap",
+    "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked",
 ]
 
 # gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
@@ -99,8 +99,8 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     is re-raised here, its remote traceback attached as a note (``WorkerFailed`` if it died of a
     signal). Ctrl-C stops every worker at once. SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to the
     workers, which get ``grace`` seconds (below SLURM's default KillWait, 30 s) to save and exit
-    (see stop_requested) before SIGKILL; then this process dies of the same signal. Workers that
-    exit with 128 + a stop signal's number did stop, not fail: this process exits with that code.
+    before SIGKILL; then this process dies of the same signal. Workers that exit with 128 + a stop
+    signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code.
     """
     env = _launcher_env()
     if env is not None:
@@ -203,9 +203,10 @@ def cleanup() -> None:
     """Destroy the process group if there is one. Safe to call twice, and without a group."""
     if _has_group():
         error = sys.exception()
-        if error is not None and not isinstance(error, Stopped) and dist.get_backend() == "nccl":
-            # In a `finally:` while an error propagates (a stop is a normal end), destroying would wait for NCCL
-            # work the peers never finish, and the error would surface, if ever, as the watchdog's SIGABRT.
+        stopped = isinstance(error, SystemExit) and error.code in _STOP_EXITS  # every rank saved and stops
+        if error is not None and not stopped and dist.get_backend() == "nccl":
+            # In a `finally:` while an error propagates, destroying would wait for NCCL work the peers never
+            # finish, and the error would surface, if ever, as the watchdog's SIGABRT.
             return  # the process is exiting anyway. https://github.com/pytorch/pytorch/issues/122358
         group = [dist.group.WORLD]
         dist.destroy_process_group()
@@ -310,7 +311,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     (tensors, numbers, strings, and containers of them) is accepted: else a TypeError before writing.
     """
     state = _strip_wrapper_prefixes(state)
-    _check_weights_only(state, "save_checkpoint: state")  # fail now, not at resume time
+    check_weights_only(state, "save_checkpoint: state")  # fail now, not at resume time
     error = None
     if is_primary():
         try:
@@ -348,6 +349,21 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
     return _strip_wrapper_prefixes(state)
 
 
+def check_weights_only(obj: Any, where: str) -> None:
+    """Raise a TypeError naming ``where`` (and the key inside it) unless torch.load(weights_only=True) can
+    read ``obj`` back: tensors, numbers, strings, dtypes, devices, and dicts, lists and tuples of them."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            check_weights_only(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for i, value in enumerate(obj):
+            check_weights_only(value, f"{where}[{i}]")
+    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
+        raise TypeError(f"{where} is a {type(obj).__qualname__}, which torch.load("
+                        "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
+                        "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
     while True:
@@ -359,137 +375,27 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-# ------------------------------ Exact resume, stops on a signal, and SLURM's requeue -------------
+# ------------------------------ Stops: the launcher's side ----------------------------------
 # SLURM sends SIGTERM at the time limit or on scancel (or `#SBATCH --signal`'s USR1/USR2 before the limit),
-# then SIGKILL KillWait (30 s) later; torchrun's agent forwards SIGTERM and SIGKILLs after 30 s.
+# then SIGKILL KillWait (30 s) later; torchrun's agent forwards SIGTERM and SIGKILLs after 30 s. launch()
+# forwards them to its ranks: a rank that catches them to save its work then exits 128 + the signal's number.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# EX_TEMPFAIL: the exit code of a rank that stopped and whose due SLURM requeue failed (slurm.conf's
+# RequeueExit=75 requeues on it). launch() and cleanup() take it, like 128 + a stop signal, as a stop.
+REQUEUE_EXIT = 75
 
 
-class Checkpointer:
-    """Exact resume and clean stops for your own loop. Construct it on every rank once the group, the
-    model and the optimizer exist (before DDP wraps the model), and call ``step()`` after every
-    optimizer step, on every rank::
-
-        ckpt = distributed.Checkpointer("run.pt", model, optimizer, loader=loader, settings={"lr": lr})
-        for epoch in ckpt.epochs(10):       # from the snapshot's epoch, mid-epoch where it stopped
-            for x, y in loader:             # the sampler's epoch and the samples already done: set
-                ...; optimizer.step()
-                ckpt.step()
-
-        state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
-        ckpt = distributed.Checkpointer("ckpt.pt", model, optimizer, state=state)
-        while ckpt.steps < max_iters:
-            ...; optimizer.step(); scheduler.step()
-            ckpt.step()
-
-    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
-    (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what defines the
-    run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
-    optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
-    them, objects with ``state_dict()`` and ``load_state_dict()`` such as an LR scheduler or a GradScaler; each
-    rank its own, at another world size rank 0's). ``epochs(n)`` snapshots at every epoch's end. ``step()``: a
-    snapshot every ``save_every`` steps (0: none), and every ``check_every`` steps one all-reduce asks whether
-    any rank got a stop signal: then every rank saves this step, the primary requeues the job (under SLURM, for
-    the time limit's warning USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most
-    ``max_requeues`` times), and every rank raises Stopped (exit 128 + the signal, 75 if the requeue failed). A
-    mid-epoch snapshot resumes at another number of processes with the same global batch (``loader.batch_size``
-    x ``grad_accum`` x processes).
-    """
-
-    def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None, grad_accum: int = 1,
-                 settings: dict | None = None, state: dict | None = None, save_every: int = 0,
-                 check_every: int = 100, max_requeues: int = 20):
-        self.path, self.model, self.optimizer = path and os.fspath(path), unwrap(model), optimizer
-        self.loader, self.settings, self.state = loader, dict(settings or {}), {} if state is None else state
-        self.save_every, self.check_every, self.max_requeues = save_every, check_every, max_requeues
-        self.epoch = self.steps = self.epoch_steps = 0  # epoch in progress; optimizer steps in all, in it
-        for name, (value, low) in {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0),
-                                   "check_every": (check_every, 1), "max_requeues": (max_requeues, 0)}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
-        if getattr(_launcher_env(), "world_size", 1) > 1 and not _has_group():  # it would restore as a world of 1
-            raise RuntimeError("Checkpointer: no process group yet; construct it after distributed.init_process_group()")
-        self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
-        for name, value in (("settings", self.settings), ("state", _state_dicts(self.state))):
-            _check_weights_only(value, f"Checkpointer: {name}")  # a snapshot holds them: fail now, not at a save
-        if (saved := _agreed_snapshot(self.path)) is not None:
-            _restore(self, saved)
-        self._resumed_at = self.steps
-        _stop_recorder()  # from now on a stop signal is recorded, not fatal
-
-    def epochs(self, epochs: int) -> Iterator[int]:
-        """The epochs left to train, each with the loader's sampler set (a new shuffle, the samples done)."""
-        sampler = getattr(self.loader, "sampler", None)
-        if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
-            sampler = getattr(getattr(self.loader, "batch_sampler", None), "sampler", sampler)
-        for self.epoch in range(self.epoch, epochs):
-            if isinstance(sampler, _Sampler) and self._per_step:
-                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
-            elif self.epoch_steps:  # else the rest of the epoch would silently start over
-                raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only loader=DataLoader(data, batch_size="
-                                 "..., sampler=distributed.data_sampler(...)) can start there (got: loader="
-                                 f"{type(self.loader).__name__}, sampler={type(sampler).__name__}, batch_size="
-                                 f"{getattr(self.loader, 'batch_size', None)})")
-            elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
-                sampler.set_epoch(self.epoch)
-            yield self.epoch
-            self.epoch, self.epoch_steps = self.epoch + 1, 0
-            if self.path:
-                self.save()
-
-    def step(self) -> None:
-        """After every optimizer step, on all ranks: snapshots, and a stop when any rank got a signal."""
-        self.steps, self.epoch_steps = self.steps + 1, self.epoch_steps + 1
-        if self.path and self.save_every and self.steps % self.save_every == 0:
-            self.save()
-        if self.steps % self.check_every == 0 and (signum := stop_requested()):
-            _stop(self, signum, self._resumed_at)
-
-    def save(self) -> None:
-        """Write the snapshot now (atomically); must be called on all ranks."""
-        if not self.path:
-            raise ValueError("Checkpointer.save: this Checkpointer has no snapshot path (path=None); give it one")
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        ranks = _all_gather_objects({"rng": torch.get_rng_state(), "cuda_rng": cuda, "state": _state_dicts(self.state)})
-        save_checkpoint({"model": self.model.state_dict(), "steps": self.steps, "epoch": self.epoch,
-                         "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                         "epoch_steps": self.epoch_steps, "global_batch": self._per_step * get_world_size(),
-                         "settings": self.settings, "ranks": ranks}, self.path)
-
-
-class Stopped(SystemExit):
-    """Raised on every rank by Checkpointer.step() after a stop signal, once the snapshot is saved: exits with
-    ``code`` (128 + the signal; 75 when a due requeue failed, for slurm.conf's RequeueExit=75), no traceback.
-    cleanup() and launch() take it as a normal end."""
-
-
-def stop_requested() -> signal.Signals | None:
-    """The stop signal (one of STOP_SIGNALS) any rank has received, or None; the same on every rank, from
-    one all-reduce. Call it on all ranks at the same step boundary, so that all save the same step and exit
-    alike (Checkpointer.step() does). The first call (or a Checkpointer) installs handlers that only record
-    the signal; until then these signals kill. Of different signals SIGTERM wins (scancel sends it)."""
-    received = int(reduce(_stop_recorder().received, "max"))
-    return signal.Signals(received) if received else None
-
-
-def requeue() -> bool:
-    """Ask SLURM to requeue this job (under a job array, this task only); True if it accepted. Not a
-    collective: only the primary asks, other ranks and runs outside SLURM get False. SLURM ends the job
-    at once: call it once the snapshot is saved. Where scontrol is missing (a container) or refuses, it
-    says so on stderr and returns False: slurm.conf's RequeueExit=<code> can requeue on your exit code."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not is_primary() or job is None:
-        return False
-    if array_job := os.environ.get("SLURM_ARRAY_JOB_ID"):  # the job's own id would requeue every task
-        job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    if (scontrol := shutil.which("scontrol")) is None:
-        print(f"requeue: scontrol is not on PATH here, so job {job} is not requeued", file=sys.stderr, flush=True)
-        return False
-    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        print(f"requeue: `scontrol requeue {job}` failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
-    return done.returncode == 0
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """STOP_SIGNALS blocked in this thread meanwhile: for starting helper processes (a forkserver,
+    multiprocessing's resource tracker), which inherit the mask and so survive a signal sent to the whole
+    process group (the forkserver's death would SIGKILL every process it forked). A signal arriving meanwhile
+    is delivered when the block ends."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -728,14 +634,6 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths)]
 
 
-def _all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (what torch.load(weights_only=True) reads: tensors, numbers, containers)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            for data in _all_gather_bytes(buffer.getvalue())]
-
-
 # ------------------------------ Checkpoints --------------------------------------------------
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _WEIGHTS_ONLY_LEAVES = (torch.Tensor, int, float, complex, str, bytes, bool, type(None),
@@ -750,19 +648,6 @@ def _strip_wrapper_prefixes(obj: Any) -> Any:
         if obj and all(isinstance(k, str) and k.startswith(prefix) for k in obj):
             obj = type(obj)((k[len(prefix):], v) for k, v in obj.items())
     return type(obj)((k, _strip_wrapper_prefixes(v)) for k, v in obj.items())
-
-
-def _check_weights_only(obj: Any, where: str) -> None:
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            _check_weights_only(value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        for i, value in enumerate(obj):
-            _check_weights_only(value, f"{where}[{i}]")
-    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
-        raise TypeError(f"{where} is a {type(obj).__qualname__}, which torch.load("
-                        "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
-                        "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
 
 
 def _atomic_save(state: dict, path: str) -> None:
@@ -794,144 +679,6 @@ def _corrupt(path: str, error: Exception) -> RuntimeError:
                         f"({type(error).__name__}: {error}); restore a good copy or delete it to start fresh")
 
 
-# ------------------------------ Exact resume and stopping --------------------------------------
-_REQUEUE_EXIT = 75  # EX_TEMPFAIL: a requeue was due but scontrol failed; RequeueExit=75 in slurm.conf acts on it
-_SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
-
-
-class _StopRecorder:
-    """stop_requested()'s handler; it lives in the process's signal table, not in a module global. It only
-    records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
-    so I/O or a collective here could deadlock (Lightning #20806, #21406). A repeat is harmless."""
-    received = 0  # the highest signal number so far (an instance's own once set)
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.received = max(self.received, signum)
-
-
-def _stop_recorder() -> _StopRecorder:
-    """The installed recorder of stop signals; installed now if it is not yet. DataLoader workers forked
-    from this process inherit it; where they come from a forkserver (Python 3.14's default on Linux), it is
-    started now with the signals blocked, so that a signal to the whole process group kills neither it nor
-    them (its death would end every worker) before this rank saves."""
-    recorder = signal.getsignal(signal.SIGTERM)
-    if not isinstance(recorder, _StopRecorder):
-        recorder = _StopRecorder()
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, recorder)
-        # The first of get_all_start_methods() is the default (forkserver from Python 3.14 on Linux).
-        if (multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]) == "forkserver":
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
-                multiprocessing.forkserver.ensure_running()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return recorder
-
-
-def _restore(ckpt: Checkpointer, saved: dict) -> None:
-    _check_resumable(ckpt.path, saved, ckpt.settings, ckpt._per_step * get_world_size())
-    try:
-        ckpt.model.load_state_dict(saved["model"])
-        if ckpt.optimizer is not None:
-            ckpt.optimizer.load_state_dict(saved["optimizer"])
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"the snapshot {ckpt.path} holds another model or optimizer than this script builds "
-                         f"({e}); use another path to start a new run") from e
-    ranks = saved["ranks"]  # at another world size every rank takes rank 0's
-    mine = ranks[get_rank()] if len(ranks) == get_world_size() else ranks[0]
-    torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
-    if mine["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
-    for key, value in _on_devices_of(mine["state"], ckpt.state).items():
-        if hasattr(ckpt.state.get(key), "load_state_dict"):  # an LR scheduler, a GradScaler...
-            ckpt.state[key].load_state_dict(value)
-        else:
-            ckpt.state[key] = value
-    ckpt.epoch, ckpt.steps, ckpt.epoch_steps = saved["epoch"], saved["steps"], saved["epoch_steps"]
-    where = f"after step {ckpt.steps}" if ckpt.loader is None else f"after {ckpt.epoch} epoch(s)" \
-        if not ckpt.epoch_steps else f"in epoch {ckpt.epoch + 1} after step {ckpt.epoch_steps}"
-    print_primary(f"resumed from {ckpt.path} {where} (saved at world size {len(ranks)})")
-
-
-def _stop(ckpt: Checkpointer, signum: signal.Signals, resumed_at: int) -> None:
-    """Every rank saves this step, the primary requeues if due, every rank raises Stopped."""
-    if ckpt.path:
-        ckpt.save()
-    # Requeue for the time limit's early warning only (SIGTERM is also scancel), after progress, not forever.
-    wanted = bool(ckpt.path and signum != signal.SIGTERM and ckpt.steps > resumed_at and "SLURM_JOB_ID" in os.environ
-                  and int(os.environ.get("SLURM_RESTART_COUNT", 0)) < ckpt.max_requeues)
-    requeued = bool(reduce(requeue() if wanted else False, "max"))  # only the primary asks
-    where = f"step {ckpt.epoch_steps} of epoch {ckpt.epoch + 1}" if ckpt.loader is not None else f"step {ckpt.steps}"
-    print_primary(f"stopped by {signum.name} after {where}; "
-                  + (f"saved to {ckpt.path}" if ckpt.path else "not saved (no snapshot path)")
-                  + ("; requeued" if requeued else "; could not requeue" if wanted else ""))
-    raise Stopped(_REQUEUE_EXIT if wanted and not requeued else 128 + signum)
-
-
-def _agreed_snapshot(path: str | None) -> dict | None:
-    """The snapshot at ``path`` (None if there is none), the same on every rank, or an error on every
-    rank: one host resuming while another starts fresh would drift silently and hang at the end."""
-    saved, error = None, None
-    try:
-        if path and is_primary() and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise ValueError(f"cannot write snapshots to {path}: its directory is missing or read-only; create it "
-                             "or choose another path (now, not after the first epoch)")
-        saved = load_checkpoint(path) if path else None
-        if saved is not None and (missing := _SNAPSHOT_KEYS - saved.keys()):
-            raise ValueError(f"{path} is not a Checkpointer snapshot (missing: {sorted(missing)}); use another path")
-    except Exception as e:  # every rank must still take part in the agreement below
-        error = e
-    mine = [2 if error else 0 if saved is None else 1, *(saved[k] if saved else 0 for k in ("steps", "epoch"))]
-    views = [tuple(view) for view in all_gather(torch.tensor(mine)).tolist()]
-    if error is not None:
-        raise error
-    if len(set(views)) > 1:
-        found = ("no file", "the snapshot of step {}", "an error (see its message)")
-        seen = "; ".join(f"rank {r}: " + found[kind].format(step) for r, (kind, step, _) in enumerate(views))
-        raise RuntimeError(f"the ranks found different snapshots at {path} ({seen}): every rank must resume the "
-                           "same one. Put the snapshot on a file system every node sees (a shared directory), "
-                           "not on a node's local disk")
-    return saved
-
-
-def _state_dicts(state: dict) -> dict:
-    """The user's state as a snapshot holds it: an object with load_state_dict() (an LR scheduler) as its state_dict()."""
-    return {key: value.state_dict() if hasattr(value, "load_state_dict") else value for key, value in state.items()}
-
-
-def _on_devices_of(saved: Any, current: Any) -> Any:
-    """``saved`` with every tensor on the device of the value it replaces in ``current`` (a CPU counter stays
-    on the CPU): load_checkpoint put them all on this rank's device."""
-    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
-        return saved.to(current.device)
-    if isinstance(saved, dict) and isinstance(current, dict):
-        return {key: _on_devices_of(value, current.get(key)) for key, value in saved.items()}
-    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
-        return type(saved)(_on_devices_of(value, now) for value, now in zip(saved, current))
-    return saved
-
-
-def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) -> None:
-    """Refuse a snapshot of another run, naming every setting that differs and what may change."""
-    differ = [f"{key}: {saved['settings'].get(key)!r} there, {value!r} here" for key, value in settings.items()
-              if saved["settings"].get(key) != value]
-    differ += [f"{key}: {value!r} there, not given here" for key, value in saved["settings"].items() if key not in settings]
-    if differ:
-        raise ValueError(f"the snapshot {path} belongs to another run: {'; '.join(differ)}. Continue it with its "
-                         "settings, or use another path. May change on resume: anything else (epochs, logging, "
-                         "loader workers...), and the processes and batch size per process (mid-epoch keeping the "
-                         "global batch)")
-    if saved["epoch_steps"] and global_batch != saved["global_batch"]:
-        world, before = get_world_size(), saved["global_batch"]
-        fix = (f"at {world} process(es), batch size x grad_accum = {before // world} per process" if before % world == 0
-               else f"a number of processes that divides {before}")
-        raise ValueError(f"the snapshot {path} stopped in epoch {saved['epoch'] + 1} after step {saved['epoch_steps']} "
-                         f"with a global batch (batch size x grad_accum x processes) of {before} samples, and this run's "
-                         f"is {global_batch}: the rest of the epoch continues only with the same global batch: use "
-                         f"{fix} (at an epoch's end any global batch may resume)")
-
-
 # ============ The local launcher's supervisor: the processes launch() starts, their signals, =====
 # ============ their deaths and their error reports (torchrun and srun do this themselves) =======
 _GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
@@ -945,26 +692,26 @@ class _Workers:
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
         self.processes: list[mp.Process] = []
-        # The helpers started now (the forkserver, multiprocessing's resource tracker) inherit the stop
-        # signals blocked: a signal to the whole process group must not kill the forkserver, whose death
-        # SIGKILLs its children, the workers. One arriving meanwhile reaches the launcher afterwards.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self.store = None
         try:
-            init_method, self.store = _local_rendezvous(self.dir)
-            omp = os.environ.get("OMP_NUM_THREADS", "")
-            ctx, threads = _start_context(), max(int(omp) if omp.isdigit() else _usable_cpus() // nprocs, 1)
-            for rank in range(nprocs):
-                rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
-                err_file = os.path.join(self.dir, f"rank{rank}.err")
-                p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
-                                args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
-                p.start()
-                self.processes.append(p)
+            with stop_signals_blocked():  # the forkserver the workers come from must outlive a group's signal
+                self._start(worker, nprocs, args, env)
         except BaseException:
             self.close()
             raise
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _start(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None) -> None:
+        init_method, self.store = _local_rendezvous(self.dir)
+        ctx = _start_context()
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        threads = max(int(omp) if omp.isdigit() else _usable_cpus() // nprocs, 1)
+        for rank in range(nprocs):
+            rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
+            err_file = os.path.join(self.dir, f"rank{rank}.err")
+            p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
+                            args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
+            p.start()
+            self.processes.append(p)
 
     def join(self, stopping: list | None = None) -> None:
         """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that
@@ -1139,7 +886,7 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
 
 
 # How a rank exits after a stop: a shell's code for the signal, or 75 when a due requeue failed.
-_STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), _REQUEUE_EXIT)
+_STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), REQUEUE_EXIT)
 
 
 @contextlib.contextmanager

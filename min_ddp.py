@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import distributed
+from checkpointer import Checkpointer  # optional: exact resume and clean stops
 from min_ddp_cli import SettingsError, parse_args  # the flags, --config, and their checks
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
 
@@ -61,7 +62,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     zeros = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples: summable over ranks
     metrics = {"unlogged": zeros, "epoch": zeros.clone(), "train_loss": float("nan"), "world": world}
     try:  # restores the model, optimizer, RNG, position and metrics from --snapshot if it exists
-        ckpt = distributed.Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.grad_accum,
+        ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.grad_accum,
                                         settings={"--seed": args.seed, "--lr": args.lr, "--train-size": args.train_size},
                                         state=metrics, check_every=args.check_every)
     except ValueError as e:
@@ -108,7 +109,7 @@ def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
 
 
 def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
-                ckpt: distributed.Checkpointer, metrics: dict, args: argparse.Namespace) -> float:
+                ckpt: Checkpointer, metrics: dict, args: argparse.Namespace) -> float:
     """The rest of this epoch: an optimizer step every --grad-accum batches, metrics every --log-every
     batches; returns the epoch's global mean training loss."""
     model.train()

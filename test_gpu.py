@@ -35,6 +35,7 @@ JOB = textwrap.dedent('''
     import os, sys, time
     sys.path.insert(0, {repo!r})
     import torch
+    import checkpointer
     import distributed
 
     def check(got, expected, device):
@@ -64,9 +65,9 @@ JOB = textwrap.dedent('''
         check(loaded["steps"], torch.arange(3), device)
         torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
         model, kept = torch.nn.Linear(2, 1).to(device), {{"cpu": torch.ones(2), "gpu": torch.ones(2, device=device)}}
-        distributed.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
+        checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
         kept = {{"cpu": torch.zeros(2), "gpu": torch.zeros(2, device=device)}}
-        distributed.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
+        checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
         check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
         check(kept["gpu"], torch.ones(2), device)
         if behaviour == "raise" and rank == 1:

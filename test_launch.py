@@ -808,8 +808,9 @@ def docstring_example() -> str:
 @pytest.mark.parametrize("source, last_line", [
     (readme_snippet, r"epoch 2: val accuracy (0\.9[0-9]+)"), (docstring_example, r"epoch 1: last loss [0-9.]+")],
     ids=["readme", "docstring"])
-def test_the_usage_examples_run_as_written(tmp_path, source, last_line, processes):
-    """The README's script and distributed.py's docstring, pasted into train.py next to a copy of the file."""
+def test_the_usage_examples_run_with_distributed_py_copied_alone(tmp_path, source, last_line, processes):
+    """The README's script and distributed.py's docstring, pasted into train.py next to a copy of distributed.py
+    alone (no checkpointer.py, no other file of ours), run in one process and under torchrun."""
     (tmp_path / "train.py").write_text(source())
     shutil.copy(Path(HERE, "distributed.py"), tmp_path)
     command = [sys.executable, "train.py"] if processes == 1 else \

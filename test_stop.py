@@ -1,4 +1,4 @@
-"""Stopping on a signal and resuming exactly (distributed.Checkpointer), on real processes and signals.
+"""Stopping on a signal and resuming exactly (checkpointer.Checkpointer), on real processes and signals.
 
 A stop is exact when the resumed run ends with a model bitwise equal to an uninterrupted run's: the
 same steps on the same batches, from the same state. The signals are real: a driver script runs
@@ -9,6 +9,7 @@ itself (``STOP_AT``), as a scheduler's signal reaching one process of a job woul
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import checkpointer
 import distributed
 from harness import HERE, examples, finish, min_ddp_driver, run_min_ddp, start_ranks, task_sampler_skip, wait_for_job
 from test_snapshot import assert_bitwise_equal
@@ -154,6 +156,7 @@ OWN_LOOP = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
+    import checkpointer
     import distributed
 
     def worker(local_rank, world_size, path, out, stop):
@@ -165,7 +168,7 @@ OWN_LOOP = textwrap.dedent('''
         state = {{"best_loss": float("inf"), "loss_sum": 0.0, "losses": torch.zeros(3, dtype=torch.float64),
                  "scheduler": scheduler}}
         try:
-            ckpt = distributed.Checkpointer(path, model, optimizer, state=state, check_every=1)
+            ckpt = checkpointer.Checkpointer(path, model, optimizer, state=state, check_every=1)
             ddp = DDP(model)
             while ckpt.steps < 30:
                 x = torch.randn(16, 8, dtype=torch.float64)
@@ -215,6 +218,7 @@ NODE_LOCAL = textwrap.dedent('''
     import os, sys
     sys.path.insert(0, {repo!r})
     import torch
+    import checkpointer
     import distributed
 
     def worker(local_rank, world_size, directory):
@@ -223,9 +227,9 @@ NODE_LOCAL = textwrap.dedent('''
         path = os.path.join(directory, f"node{{distributed.get_rank()}}", "snap.pt")  # each rank's local disk
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            checkpointer = distributed.Checkpointer(path, model, check_every=1)
-            checkpointer.step()
-            checkpointer.save()
+            ckpt = checkpointer.Checkpointer(path, model, check_every=1)
+            ckpt.step()
+            ckpt.save()
         finally:
             distributed.cleanup()
 
@@ -288,14 +292,16 @@ SLOW_SAVE = textwrap.dedent('''
     import sys, time
     sys.path.insert(0, {repo!r})
     import torch
+    import checkpointer
     import distributed
 
     def worker(local_rank, world_size, path):
         distributed.init_process_group(local_rank, world_size)
         distributed.save_checkpoint({{"version": 1}}, path)
-        distributed.stop_requested()  # the handlers are in place before the test signals
+        checkpointer.handle_stop_signals()
+        distributed.barrier()  # every rank's handlers are in place before the test signals
         print("saved version 1", flush=True)
-        while not distributed.stop_requested():
+        while not checkpointer.stop_requested():
             time.sleep(0.05)
         save = torch.save
         torch.save = lambda *a, **k: (save(*a, **k), time.sleep(60))  # a save slower than the grace
@@ -318,17 +324,19 @@ def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole
 FAILS_AFTER_STOP = textwrap.dedent('''
     import sys, time
     sys.path.insert(0, {repo!r})
+    import checkpointer
     import distributed
 
     def worker(local_rank, world_size):
         distributed.init_process_group(local_rank, world_size)
-        distributed.stop_requested()  # the handlers are in place before the test signals
+        checkpointer.handle_stop_signals()
+        distributed.barrier()  # every rank's handlers are in place before the test signals
         distributed.print_primary("ready")
-        while not distributed.stop_requested():
+        while not checkpointer.stop_requested():
             time.sleep(0.05)
         if distributed.get_rank() == 1:  # saving after the stop fails
             raise OSError(28, "No space left on device")
-        raise distributed.Stopped(143)  # rank 0 saved and stops as asked
+        raise checkpointer.Stopped(143)  # rank 0 saved and stops as asked
 
     if __name__ == "__main__":
         distributed.launch(worker, nprocs=2)
@@ -483,7 +491,7 @@ def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwa
     for name, value in kwargs.pop("env", {}).items():
         monkeypatch.setenv(name, value)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
-        distributed.Checkpointer(kwargs.pop("path", None), torch.nn.Linear(2, 1), **kwargs)
+        checkpointer.Checkpointer(kwargs.pop("path", None), torch.nn.Linear(2, 1), **kwargs)
     assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
 
@@ -497,7 +505,7 @@ def stop_signals_restored():
 
 
 def test_save_without_a_snapshot_path_is_an_error_naming_it(stop_signals_restored):
-    ckpt = distributed.Checkpointer(None, torch.nn.Linear(2, 1))
+    ckpt = checkpointer.Checkpointer(None, torch.nn.Linear(2, 1))
     with pytest.raises(ValueError, match=r"Checkpointer.save: this Checkpointer has no snapshot path \(path=None\)"):
         ckpt.save()
 
@@ -506,12 +514,12 @@ def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces
     """load_checkpoint maps a snapshot onto this rank's GPU; a tensor the user keeps elsewhere (a CPU counter on
     a GPU machine) must come back there. Without a GPU, the 'meta' device stands in for 'elsewhere'."""
     path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
-    distributed.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
+    checkpointer.Checkpointer(path, model, state={"kept": torch.ones(2), "nested": {"n": torch.ones(1)},
                                                  "listed": [torch.ones(1)], "pair": (torch.ones(1), 1),
                                                  "count": 3}).save()
     meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
     state = {"kept": meta(2), "nested": {"n": meta(1)}, "listed": [meta(1)], "pair": (meta(1), 0), "count": 0}
-    distributed.Checkpointer(path, model, state=state)
+    checkpointer.Checkpointer(path, model, state=state)
     kept = [state["kept"], state["nested"]["n"], state["listed"][0], state["pair"][0]]
     assert [tensor.device.type for tensor in kept] == ["meta"] * 4
     assert state["count"] == 3 and state["pair"][1] == 1 and isinstance(state["pair"], tuple)
@@ -534,7 +542,7 @@ def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_
     for epoch in range(3):
         sampler.set_epoch(epoch)
         expected.append(list(sampler))
-    ckpt = distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
+    ckpt = checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
     got = [torch.cat([x for x, in loader]).tolist() for _ in ckpt.epochs(3)]
     assert got == expected and expected[0] != expected[1], got
     ckpt.epoch, ckpt.epoch_steps = 1, 2
@@ -542,7 +550,7 @@ def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_
     for other in (loader, None):  # no loader: the epoch would start over (or another global batch: refused)
         with pytest.raises(ValueError, match=r"stopped mid-epoch, and only loader=DataLoader\(.*\(got: loader=|"
                                              r"stopped in epoch 2 after step 2 with a global batch"):
-            next(distributed.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=other).epochs(3))
+            next(checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=other).epochs(3))
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
@@ -567,3 +575,15 @@ def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
     sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
     with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):
         sampler.set_epoch(0, skip=11)
+
+
+def test_checkpointer_py_reads_only_public_names_and_distributed_py_not_it():
+    """The two files meet through distributed.py's public names (``__all__``) alone, so each can be read,
+    copied and changed on its own; distributed.py, copied alone, never imports checkpointer.py."""
+    tree = ast.parse(Path(HERE, "checkpointer.py").read_text())
+    used = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "distributed"}
+    used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "distributed"
+             for alias in node.names}
+    assert used and used <= set(distributed.__all__), f"not public in distributed.py: {used - set(distributed.__all__)}"
+    assert "checkpointer" not in Path(HERE, "distributed.py").read_text().lower()

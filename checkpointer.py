@@ -1,0 +1,382 @@
+"""Exact resume and clean stops for a loop of your own: copy it next to distributed.py (optional).
+
+    from checkpointer import Checkpointer
+
+    ckpt = Checkpointer("run.pt", model, optimizer, loader=loader, settings={"lr": lr})
+    for epoch in ckpt.epochs(10):           # from the snapshot's epoch, mid-epoch where it stopped
+        for x, y in loader:
+            ...; optimizer.step()
+            ckpt.step()                     # a snapshot when due; on a stop signal, save and exit
+
+A job stopped by SIGTERM, SIGUSR1 or SIGUSR2 (SLURM's time limit, scancel, preemption, torchrun's agent) saves
+on every rank at the same step and exits 128 + the signal; the same command then resumes it as if never stopped.
+distributed.py's launcher forwards those signals and takes that exit as a stop, not a failure; without this file
+the signals simply end the job. It uses only distributed.py's public names and torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import inspect
+import io
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+import distributed
+from distributed import REQUEUE_EXIT, STOP_SIGNALS
+
+__all__ = ["Checkpointer", "Stopped", "handle_stop_signals", "stop_requested", "requeue"]
+
+
+class Checkpointer:
+    """Exact resume and clean stops for your own loop. Construct it on every rank once the group, the
+    model and the optimizer exist (before DDP wraps the model), and call ``step()`` after every
+    optimizer step, on every rank::
+
+        ckpt = Checkpointer("run.pt", model, optimizer, loader=loader, settings={"lr": lr})
+        for epoch in ckpt.epochs(10):       # from the snapshot's epoch, mid-epoch where it stopped
+            for x, y in loader:             # the sampler's epoch and the samples already done: set
+                ...; optimizer.step()
+                ckpt.step()
+
+        state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
+        ckpt = Checkpointer("ckpt.pt", model, optimizer, state=state)
+        while ckpt.steps < max_iters:
+            ...; optimizer.step(); scheduler.step()
+            ckpt.step()
+
+    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
+    (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what defines the
+    run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
+    optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
+    them, objects with ``state_dict()`` and ``load_state_dict()`` such as an LR scheduler or a GradScaler; each
+    rank its own, at another world size rank 0's). Then it calls ``handle_stop_signals()``.
+
+    ``epochs(n)`` snapshots at every epoch's end. ``step()``: a snapshot every ``save_every`` steps (0: none),
+    and every ``check_every`` steps one all-reduce asks whether any rank got a stop signal: then every rank
+    saves this step, the primary requeues the job (under SLURM, for the time limit's warning USR1/USR2 only,
+    not SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and every rank raises
+    Stopped (exit 128 + the signal, 75 if the requeue failed). A mid-epoch snapshot resumes at another number
+    of processes with the same global batch (``loader.batch_size`` x ``grad_accum`` x processes).
+
+    Attributes: ``epoch`` (the epoch in progress, from 0), ``steps`` (optimizer steps in the whole run) and
+    ``epoch_steps`` (optimizer steps in this epoch so far).
+    """
+
+    def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None, grad_accum: int = 1,
+                 settings: dict | None = None, state: dict | None = None, save_every: int = 0,
+                 check_every: int = 100, max_requeues: int = 20):
+        self.path = os.fspath(path) if path else None
+        self.model = distributed.unwrap(model)
+        self.optimizer = optimizer
+        self.loader = loader
+        self.settings = dict(settings or {})
+        self.state = {} if state is None else state
+        self.save_every = save_every
+        self.check_every = check_every
+        self.max_requeues = max_requeues
+        self.epoch = 0
+        self.steps = 0
+        self.epoch_steps = 0
+        limits = {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0), "check_every": (check_every, 1),
+                  "max_requeues": (max_requeues, 0)}
+        for name, (value, low) in limits.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        if distributed.launch_mode() != "single" and not dist.is_initialized():
+            # Without a group every rank would restore as a world of one: rank 0's RNG, a wrong global batch.
+            raise RuntimeError("Checkpointer: no process group yet; construct it after "
+                               "distributed.init_process_group()")
+        self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
+        # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
+        distributed.check_weights_only(self.settings, "Checkpointer: settings")
+        distributed.check_weights_only(_state_dicts(self.state), "Checkpointer: state")
+        saved = _agreed_snapshot(self.path)
+        if saved is not None:
+            self._restore(saved)
+        self._resumed_at = self.steps
+        handle_stop_signals()
+
+    def epochs(self, epochs: int) -> Iterator[int]:
+        """The epochs left to train. For each, it calls the loader's ``sampler.set_epoch`` (a new shuffle), with
+        ``skip=`` the samples already done when the snapshot stopped mid-epoch; then, at its end, saves."""
+        sampler = getattr(self.loader, "sampler", None)
+        if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
+            sampler = getattr(getattr(self.loader, "batch_sampler", None), "sampler", sampler)
+        skippable = hasattr(sampler, "set_epoch") and "skip" in inspect.signature(sampler.set_epoch).parameters
+        for self.epoch in range(self.epoch, epochs):
+            if skippable and self._per_step:  # distributed.data_sampler's
+                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
+            elif self.epoch_steps:  # else the rest of the epoch would silently start over
+                raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only loader=DataLoader(data, "
+                                 "batch_size=..., sampler=distributed.data_sampler(...)) can start there (got: "
+                                 f"loader={type(self.loader).__name__}, sampler={type(sampler).__name__}, "
+                                 f"batch_size={getattr(self.loader, 'batch_size', None)})")
+            elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
+                sampler.set_epoch(self.epoch)
+            yield self.epoch
+            self.epoch += 1
+            self.epoch_steps = 0
+            if self.path:
+                self.save()
+
+    def step(self) -> None:
+        """After every optimizer step, on all ranks: snapshots, and a stop when any rank got a signal."""
+        self.steps += 1
+        self.epoch_steps += 1
+        if self.path and self.save_every and self.steps % self.save_every == 0:
+            self.save()
+        if self.steps % self.check_every == 0:
+            signum = stop_requested()
+            if signum:
+                self._stop(signum)
+
+    def save(self) -> None:
+        """Write the snapshot now (atomically); must be called on all ranks."""
+        if not self.path:
+            raise ValueError("Checkpointer.save: this Checkpointer has no snapshot path (path=None); give it one")
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state()
+        ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda,
+                                    "state": _state_dicts(self.state)})
+        distributed.save_checkpoint({"model": self.model.state_dict(),
+                                     "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                                     "steps": self.steps, "epoch": self.epoch, "epoch_steps": self.epoch_steps,
+                                     "global_batch": self._per_step * distributed.get_world_size(),
+                                     "settings": self.settings, "ranks": ranks}, self.path)
+
+    def _restore(self, saved: dict) -> None:
+        _check_resumable(self.path, saved, self.settings, self._per_step * distributed.get_world_size())
+        try:
+            self.model.load_state_dict(saved["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(saved["optimizer"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the snapshot {self.path} holds another model or optimizer than this script builds "
+                             f"({e}); use another path to start a new run") from e
+        ranks = saved["ranks"]
+        if len(ranks) == distributed.get_world_size():
+            mine = ranks[distributed.get_rank()]
+        else:  # at another world size every rank takes rank 0's
+            mine = ranks[0]
+        torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
+        if mine["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
+        for key, value in _on_devices_of(mine["state"], self.state).items():
+            if hasattr(self.state.get(key), "load_state_dict"):  # an LR scheduler, a GradScaler...
+                self.state[key].load_state_dict(value)
+            else:
+                self.state[key] = value
+        self.epoch = saved["epoch"]
+        self.steps = saved["steps"]
+        self.epoch_steps = saved["epoch_steps"]
+        if self.loader is None:
+            where = f"after step {self.steps}"
+        elif self.epoch_steps:
+            where = f"in epoch {self.epoch + 1} after step {self.epoch_steps}"
+        else:
+            where = f"after {self.epoch} epoch(s)"
+        distributed.print_primary(f"resumed from {self.path} {where} (saved at world size {len(ranks)})")
+
+    def _stop(self, signum: signal.Signals) -> None:
+        """Every rank saves this step, the primary requeues if due, every rank raises Stopped."""
+        if self.path:
+            self.save()
+        # Requeue for the time limit's early warning only (SIGTERM is also scancel), after progress, not forever.
+        wanted = bool(self.path and signum != signal.SIGTERM and self.steps > self._resumed_at
+                      and "SLURM_JOB_ID" in os.environ
+                      and int(os.environ.get("SLURM_RESTART_COUNT", 0)) < self.max_requeues)
+        requeued = bool(distributed.reduce(requeue() if wanted else False, "max"))  # only the primary asks
+        if self.loader is not None:
+            where = f"step {self.epoch_steps} of epoch {self.epoch + 1}"
+        else:
+            where = f"step {self.steps}"
+        saved = f"saved to {self.path}" if self.path else "not saved (no snapshot path)"
+        if requeued:
+            saved += "; requeued"
+        elif wanted:
+            saved += "; could not requeue"
+        distributed.print_primary(f"stopped by {signum.name} after {where}; {saved}")
+        raise Stopped(REQUEUE_EXIT if wanted and not requeued else 128 + signum)
+
+
+class Stopped(SystemExit):
+    """Raised on every rank by Checkpointer.step() after a stop signal, once the snapshot is saved: exits with
+    ``code`` (128 + the signal; 75 when a due requeue failed, for slurm.conf's RequeueExit=75), no traceback.
+    distributed.cleanup() and launch() take it as a normal end."""
+
+
+def handle_stop_signals() -> None:
+    """From now on, STOP_SIGNALS (SIGTERM, SIGUSR1, SIGUSR2) are recorded for stop_requested() instead of
+    ending this process. Call it on every rank before training; a Checkpointer calls it. Idempotent.
+
+    DataLoader workers forked from this process inherit the handler. Where they come from a forkserver
+    (Python 3.14's default on Linux), it is started now with the signals blocked, so that a signal to the whole
+    process group kills neither it nor them (its death would end every worker) before this rank saves."""
+    if isinstance(signal.getsignal(signal.SIGTERM), _StopRecorder):
+        return
+    recorder = _StopRecorder()
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, recorder)
+    # The first of get_all_start_methods() is the default (forkserver from Python 3.14 on Linux).
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if method == "forkserver":
+        with distributed.stop_signals_blocked():
+            multiprocessing.forkserver.ensure_running()
+
+
+def stop_requested() -> signal.Signals | None:
+    """The stop signal (one of STOP_SIGNALS) any rank has received, or None; the same on every rank, from
+    one all-reduce. Call it on all ranks at the same step boundary, so that all save the same step and exit
+    alike (Checkpointer.step() does), after handle_stop_signals(). Of different signals SIGTERM wins (scancel
+    sends it)."""
+    recorder = signal.getsignal(signal.SIGTERM)
+    if not isinstance(recorder, _StopRecorder):
+        raise RuntimeError("stop_requested: the stop signals are not handled here, so one would end the process "
+                           "before it is asked for; call checkpointer.handle_stop_signals() first, on every rank")
+    received = int(distributed.reduce(recorder.received, "max"))
+    return signal.Signals(received) if received else None
+
+
+def requeue() -> bool:
+    """Ask SLURM to requeue this job (under a job array, this task only); True if it accepted. Not a
+    collective: only the primary asks, other ranks and runs outside SLURM get False. SLURM ends the job
+    at once: call it once the snapshot is saved. Where scontrol is missing (a container) or refuses, it
+    says so on stderr and returns False: slurm.conf's RequeueExit=<code> can requeue on your exit code."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not distributed.is_primary() or job is None:
+        return False
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job:  # the job's own id would requeue every task
+        job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        print(f"requeue: scontrol is not on PATH here, so job {job} is not requeued", file=sys.stderr, flush=True)
+        return False
+    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        print(f"requeue: `scontrol requeue {job}` failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
+    return done.returncode == 0
+
+
+# ============ Internals (not the API) =======================================================
+_SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
+
+
+class _StopRecorder:
+    """handle_stop_signals()'s handler; it lives in the process's signal table, not in a module global. It only
+    records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
+    so I/O or a collective here could deadlock (Lightning #20806, #21406). A repeat is harmless."""
+    received = 0  # the highest signal number so far (an instance's own once set)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received = max(self.received, signum)
+
+
+def _agreed_snapshot(path: str | None) -> dict | None:
+    """The snapshot at ``path`` (None if there is none), the same on every rank, or an error on every
+    rank: one host resuming while another starts fresh would drift silently and hang at the end."""
+    saved, error = None, None
+    try:
+        if path and distributed.is_primary() and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise ValueError(f"cannot write snapshots to {path}: its directory is missing or read-only; create it "
+                             "or choose another path (now, not after the first epoch)")
+        saved = distributed.load_checkpoint(path) if path else None
+        missing = _SNAPSHOT_KEYS - saved.keys() if saved is not None else set()
+        if missing:
+            raise ValueError(f"{path} is not a Checkpointer snapshot (missing: {sorted(missing)}); use another path")
+    except Exception as e:  # every rank must still take part in the agreement below
+        error = e
+    if error is not None:
+        found = 2
+    else:
+        found = 0 if saved is None else 1
+    mine = [found, *(saved[k] if saved else 0 for k in ("steps", "epoch"))]
+    views = [tuple(view) for view in distributed.all_gather(torch.tensor(mine)).tolist()]
+    if error is not None:
+        raise error
+    if len(set(views)) > 1:
+        kinds = ("no file", "the snapshot of step {}", "an error (see its message)")
+        seen = "; ".join(f"rank {r}: " + kinds[kind].format(step) for r, (kind, step, _) in enumerate(views))
+        raise RuntimeError(f"the ranks found different snapshots at {path} ({seen}): every rank must resume the "
+                           "same one. Put the snapshot on a file system every node sees (a shared directory), "
+                           "not on a node's local disk")
+    return saved
+
+
+def _gather_to_primary(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` (what torch.load(weights_only=True) reads) on the primary, in rank order; None
+    elsewhere. Gathered to the writer only, as bytes decoded from the buffer: a large state costs one copy
+    per rank on the primary, not on every rank. Must be called on all ranks."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    if distributed.get_world_size() == 1:
+        return [obj]
+    lengths = distributed.all_gather(len(data)).tolist()
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # it moves CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    # One byte more: frombuffer refuses an empty buffer.
+    mine = torch.frombuffer(bytearray(data.ljust(max(lengths) + 1, b"\0")), dtype=torch.uint8).to(device)
+    rows = [torch.empty_like(mine) for _ in lengths] if distributed.is_primary() else None
+    dist.gather(mine, rows, dst=0)
+    if rows is None:
+        return None
+    out = []
+    for row, n in zip(rows, lengths):
+        row = row.cpu()
+        out.append(torch.load(io.BytesIO(ctypes.string_at(row.data_ptr(), n)), map_location="cpu",
+                              weights_only=True))
+    return out
+
+
+def _state_dicts(state: dict) -> dict:
+    """The user's state as a snapshot holds it: an object with load_state_dict() (an LR scheduler) as its
+    state_dict()."""
+    return {key: value.state_dict() if hasattr(value, "load_state_dict") else value for key, value in state.items()}
+
+
+def _on_devices_of(saved: Any, current: Any) -> Any:
+    """``saved`` with every tensor on the device of the value it replaces in ``current`` (a CPU counter stays
+    on the CPU): load_checkpoint put them all on this rank's device."""
+    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
+        return saved.to(current.device)
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {key: _on_devices_of(value, current.get(key)) for key, value in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+        return type(saved)(_on_devices_of(value, now) for value, now in zip(saved, current))
+    return saved
+
+
+def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) -> None:
+    """Refuse a snapshot of another run, naming every setting that differs and what may change."""
+    theirs = saved["settings"]
+    differ = [f"{key}: {theirs.get(key)!r} there, {value!r} here" for key, value in settings.items()
+              if theirs.get(key) != value]
+    differ += [f"{key}: {value!r} there, not given here" for key, value in theirs.items() if key not in settings]
+    if differ:
+        raise ValueError(f"the snapshot {path} belongs to another run: {'; '.join(differ)}. Continue it with its "
+                         "settings, or use another path. May change on resume: anything else (epochs, logging, "
+                         "loader workers...), and the processes and batch size per process (mid-epoch keeping the "
+                         "global batch)")
+    if saved["epoch_steps"] and global_batch != saved["global_batch"]:
+        world, before = distributed.get_world_size(), saved["global_batch"]
+        if before % world == 0:
+            fix = f"at {world} process(es), batch size x grad_accum = {before // world} per process"
+        else:
+            fix = f"a number of processes that divides {before}"
+        raise ValueError(f"the snapshot {path} stopped in epoch {saved['epoch'] + 1} after step "
+                         f"{saved['epoch_steps']} with a global batch (batch size x grad_accum x processes) of "
+                         f"{before} samples, and this run's is {global_batch}: the rest of the epoch continues only "
+                         f"with the same global batch: use {fix} (at an epoch's end any global batch may resume)")
