@@ -181,6 +181,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
+    if env.mode == "spawn" and _JOB_DIR_ENV in os.environ:  # for launch()'s report of a hang
+        with open(os.path.join(os.environ[_JOB_DIR_ENV], f"rank{env.rank}.backend"), "w") as f:
+            f.write(backend)
     return device
 
 
@@ -402,6 +405,7 @@ def stop_signals_blocked() -> Iterator[None]:
 # ------------------------------ Which launcher started this process --------------------------
 # Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
 _INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
+_JOB_DIR_ENV = "DISTRIBUTED_PY_JOB_DIR"  # and the directory of the job's reports
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -706,7 +710,7 @@ class _Workers:
         omp = os.environ.get("OMP_NUM_THREADS", "")
         threads = max(int(omp) if omp.isdigit() else _usable_cpus() // nprocs, 1)
         for rank in range(nprocs):
-            rank_env = _spawn_env(rank, nprocs, init_method, threads) | (env or {})
+            rank_env = _spawn_env(rank, nprocs, init_method, threads) | {_JOB_DIR_ENV: self.dir} | (env or {})
             err_file = os.path.join(self.dir, f"rank{rank}.err")
             p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
                             args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
@@ -766,24 +770,58 @@ class _Workers:
 
     def _root_cause(self, first: int, seen_at: float, killed_at: float, stacks: dict | None) -> BaseException:
         """The failure to report: every rank that raised before we stopped the job competes."""
-        failures, reports = [], {}  # failures: (collateral?, time, rank, report)
+        failures, reports = [], {}
         for rank, p in enumerate(self.processes):
             report = reports[rank] = self._report(rank)
             if report is not None and report["time"] <= killed_at:
-                failures.append((bool(re.search(_COLLATERAL, report["traceback"])), report["time"], rank, report))
+                collateral = bool(re.search(_COLLATERAL, report["traceback"]))
+                failures.append(_Failure(collateral, report["time"], rank, report))
             elif rank == first:
-                failures.append((False, seen_at, rank, _exit_report(rank, p.exitcode)))
+                failures.append(_Failure(False, seen_at, rank, None))
         # A rank that raised or died first is the root cause; errors that only say a peer went
         # away ("connection closed") are what the *other* ranks see, so they rank last.
-        collateral, _, rank, report = min(failures, key=lambda f: f[:3])
-        error = _exception_from_report(rank, report, located=stacks is not None)
+        root = min(failures, key=lambda f: (f.collateral, f.time, f.rank))
+        if root.report is None:
+            error = self._exit_error(root.rank)
+        else:
+            error = _exception_from_report(root.rank, root.report, located=stacks is not None)
         finished = [r for r, p in enumerate(self.processes) if p.exitcode == 0]
-        if collateral and finished:
-            error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {rank} still called a "
-                           "collective: every rank must run the same collectives (the same number of batches)")
+        if root.collateral and finished:
+            error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {root.rank} still "
+                           "called a collective: every rank must run the same collectives (the same number of "
+                           "batches)")
         if stacks is not None:  # a collective timed out: where was each rank?
-            error.add_note(_where_ranks_are(stacks, reports, nccl=torch.cuda.is_available()))
+            error.add_note(_where_ranks_are(stacks, reports, nccl=self._backend() == "nccl"))
         return error
+
+    def _exit_error(self, rank: int) -> WorkerFailed:
+        """A rank that died without a Python exception; one killed by a fatal signal is placed by the stacks
+        faulthandler wrote as it died (kept in a file of their own: the job's directory is deleted)."""
+        exitcode = self.processes[rank].exitcode
+        if exitcode >= 0:
+            return WorkerFailed(f"rank {rank} exited with code {exitcode} without a Python exception", rank)
+        name = signal.Signals(-exitcode).name
+        message = f"rank {rank} was killed by signal {name}{_SIGNAL_HINTS.get(name, '')}"
+        stack = self._read_stack(rank)
+        frames = _user_frames(stack)[1]
+        if frames:
+            message += f"; it was at {_place(frames)} (its stacks: {_keep_stacks({rank: stack})})"
+        return WorkerFailed(message, rank)
+
+    def _backend(self) -> str:
+        """The job's backend, as its ranks wrote it ("" if none got that far): the launcher's own view of
+        the GPUs says nothing of it (a gloo job on a GPU machine)."""
+        for rank in range(len(self.processes)):
+            with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.backend")) as f:
+                return f.read()
+        return ""
+
+
+class _Failure(NamedTuple):
+    collateral: bool  # its error only says that a peer went away or timed out
+    time: float
+    rank: int
+    report: dict | None  # its exception, as _worker_entry recorded it; None: it died without one
 
 
 def _start_context() -> Any:
@@ -935,14 +973,11 @@ def _terminate(processes: list) -> None:
             p.join()
 
 
-def _exit_report(rank: int, exitcode: int) -> dict:
-    if exitcode >= 0:
-        return {"message": f"rank {rank} exited with code {exitcode} without a Python exception"}
-    name = signal.Signals(-exitcode).name
-    hint = {"SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
-            "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank "
-                       "is probably stuck; else a crash in C++: see the rank's stderr)"}.get(name, "")
-    return {"message": f"rank {rank} was killed by signal {name}{hint}"}
+_SIGNAL_HINTS = {
+    "SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
+    "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank is probably "
+               "stuck; else a crash in C++: see the rank's stderr)",
+}
 
 
 _TIMED_OUT = r"Timed out|timed out|Timeout"
@@ -950,40 +985,46 @@ _TIMED_OUT = r"Timed out|timed out|Timeout"
 _COLLATERAL = (r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|Socket Timeout|Timed out waiting|timed out|"
                r"peer rank \d+ \(pid \d+\) exited")
 _STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> shows a rank's stack
-_COLLECTIVES = ("reduce", "all_gather", "barrier", "print_ranked", "save_checkpoint", "backward")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+# This project's files, beside this one: their frames are never "your code" in a report.
+_LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py")
+# Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
+_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
 
 
 def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nccl: bool = False) -> str:
     """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
-    in a collective, or not (it never reached it), the innermost frames of the user's code first. Under
-    nccl (``nccl``: GPUs are visible) a collective on CUDA tensors returns before it completes and the
-    rank blocks at its next synchronizing call: a place outside a collective is only where it blocked."""
-    texts = {}
+    waiting in a collective, raised, or not in one (it never reached it), the innermost frames of the user's
+    code first. Under nccl (``nccl``: the job's backend) a collective on CUDA tensors returns before it
+    completes and the rank blocks at its next synchronizing call: a place outside one is only where it blocked."""
+    texts, raised = {}, set()
     for rank in sorted(stacks.keys() | {r for r, report in reports.items() if report}):
         stack, tb = stacks.get(rank, ""), (reports.get(rank) or {}).get("traceback", "")
         # A rank caught exiting after its own timeout has no frame of the user's left: its traceback places it.
-        texts[rank] = stack if stack and (not tb or _user_frames(stack)[1]) else tb
-    fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
+        if stack and (not tb or _user_frames(stack)[1]):
+            texts[rank] = stack
+        else:
+            texts[rank] = tb
+            raised.add(rank)
+    path = _keep_stacks(texts)
     lines, waits = [f"Where each rank was when the collective timed out (every stack: {path}):"], {}
     for rank, text in sorted(texts.items()):
         called, frames = _user_frames(text)
-        where = " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
         if not text:
             lines.append(f"  rank {rank}: did not answer within 1 s (stopped, or blocked in the kernel)")
-        elif called in _COLLECTIVES:
+        elif called:
             waits[rank] = (called, *frames[0][:2])  # the collective, and the user's file and line
-            lines.append(f"  rank {rank}: waiting in {called}(), at {where}")
+            lines.append(f"  rank {rank}: waiting in {called}(), at {_place(frames)}")
         elif not frames:
             lines.append(f"  rank {rank}: exiting, past your code (none of its frames is yours)")
+        elif rank in raised:
+            lines.append(f"  rank {rank}: raised at {_place(frames)}")
         elif nccl:
-            lines.append(f"  rank {rank}: blocked outside a collective call, at {where}; under nccl a rank waits for "
-                         "an earlier collective at its next synchronizing call (.item(), .tolist(), a copy to the "
-                         "CPU), so it may have reached one")
+            lines.append(f"  rank {rank}: blocked outside a collective call, at {_place(frames)}; under nccl a rank "
+                         "waits for an earlier collective at its next synchronizing call (.item(), .tolist(), a "
+                         "copy to the CPU), so it may have reached one")
         else:
-            lines.append(f"  rank {rank}: not in a collective (it never reached it), at {where}")
+            lines.append(f"  rank {rank}: not in a collective (it never reached it), at {_place(frames)}")
     if len({called for called, *_ in waits.values()}) > 1:
         lines.append("  The ranks wait in different collectives, or in the same ones in a different order: every "
                      "rank must call the same collectives in the same order")
@@ -994,15 +1035,53 @@ def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nc
     return "\n".join(lines)
 
 
+def _keep_stacks(texts: dict[int, str]) -> str:
+    """Write every rank's stacks to a file that outlives the job; its path."""
+    fd, path = tempfile.mkstemp(prefix="distributed-py-stacks-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"--- rank {rank}\n{text}\n" for rank, text in sorted(texts.items()))
+    return path
+
+
+def _place(frames: list[tuple[str, str, str]]) -> str:
+    """The innermost three frames of the user's code: ``train.py:42 in evaluate <- train.py:30 in main``."""
+    return " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
+
+
 def _user_frames(text: str) -> tuple[str, list[tuple[str, str, str]]]:
     """From a faulthandler dump or a traceback, the main thread's frames of the user's code, innermost
-    first, as (file, line, function), and the function the innermost of them called ("" if none)."""
+    first, as (file, line, function), and the collective the innermost of them waits in ("" if none)."""
     main = [b for b in text.split("\n\n") if "File" in b and "_bootstrap_inner" not in b][-1:] or [""]
     frames = _FRAME.findall(main[0])[:: 1 if "(most recent call first)" in main[0] else -1]
     stdlib = sysconfig.get_paths()["stdlib"]
+    here = os.path.dirname(os.path.abspath(__file__))
     ours = [i for i, (file, _, _) in enumerate(frames)
-            if not (file == __file__ or f"{os.sep}torch{os.sep}" in file or file.startswith((stdlib, "<")))]
-    return (frames[ours[0] - 1][2] if ours and ours[0] > 0 else ""), [frames[i] for i in ours]
+            if not (f"{os.sep}torch{os.sep}" in file or file.startswith((stdlib, "<"))
+                    or os.path.dirname(os.path.abspath(file)) == here and os.path.basename(file) in _LIBRARY_FILES)]
+    if not ours:
+        return "", []
+    return _collective(frames[:ours[0]]), [frames[i] for i in ours]
+
+
+def _collective(inner: list[tuple[str, str, str]]) -> str:
+    """The collective that the frames below the user's innermost line (innermost first) wait in, "" if none:
+    a call of this project's that reaches torch.distributed or DDP (reduce, a Checkpointer's step), a
+    torch.distributed call (all_reduce), DDP's forward, or a backward (DDP all-reduces the gradients from
+    autograd's threads, which have no Python frame)."""
+    if not inner:
+        return ""
+    file, _, called = inner[-1]
+    if called == "backward":
+        return called
+    communicating = [function for file, _, function in inner if file.endswith(".py") and
+                     any(part in file for part in _COMMUNICATION)]
+    if not communicating:
+        return ""
+    if os.path.basename(file) in _LIBRARY_FILES and f"{os.sep}torch{os.sep}" not in file:
+        return called
+    if any(f"{os.sep}nn{os.sep}parallel{os.sep}" in file for file, _, _ in inner):
+        return "DistributedDataParallel.forward"
+    return next((function for function in communicating if function != "wrapper"), communicating[0])
 
 
 def _in_primary_only_branch(file: str, line: str) -> bool:

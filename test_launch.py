@@ -30,63 +30,7 @@ import torch
 import distributed
 from harness import HERE, cannot_run, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
 
-# A job whose ranks misbehave on request: python job.py BEHAVIOUR RANK NPROCS [TIMEOUT]. Each rank
-# writes its parent's pid into its ready file. With JOB_THREAD set, the launcher runs a second thread.
-JOB = textwrap.dedent('''
-    import os, signal, sys, threading, time
-    sys.path.insert(0, {repo!r})
-    import torch
-    import distributed as dist
-
-    def spin():
-        while True:
-            pass
-
-    def abort_here():
-        time.sleep(0.2)
-        os.abort()
-
-    def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
-        dist.init_process_group(local_rank, world_size, timeout=timeout)
-        dist.reduce(torch.ones(1))                      # everyone is connected
-        rank = dist.get_rank()
-        with open(os.path.join(ready_dir, f"ready{{rank}}"), "w") as f:
-            f.write(str(os.getppid()))
-        if behaviour == "raise" and rank == bad_rank:
-            time.sleep(0.2)                             # the others are already waiting below
-            raise ValueError(f"root cause on rank {{rank}}")
-        if behaviour == "sigkill" and rank == bad_rank:
-            time.sleep(0.2)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if behaviour == "wait":
-            time.sleep(3600)
-        if behaviour == "ignore-sigterm":               # the launcher waits its grace period, then SIGKILLs
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            time.sleep(3600)
-        if behaviour == "spin" and rank == bad_rank:
-            spin()                                      # never returns: the others wait below
-        if behaviour == "read" and rank == bad_rank:
-            os.read(os.pipe()[0], 1)                    # blocked in a C call, forever
-        if behaviour == "primary-only":
-            if dist.is_primary():
-                dist.reduce(torch.ones(1))              # a collective on the primary alone
-            dist.barrier()
-        if behaviour == "abort" and rank == bad_rank:
-            abort_here()                                # as NCCL's watchdog aborts a rank (SIGABRT)
-        if behaviour == "leave" and rank == bad_rank:
-            return                                      # finishes early: its peers wait below
-        dist.reduce(torch.ones(1))                      # where the healthy ranks wait
-        dist.print_primary("job ok")
-        dist.cleanup()
-
-    if __name__ == "__main__":
-        behaviour, bad_rank, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-        timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
-        if os.environ.get("JOB_THREAD"):
-            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-        dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs,
-                    grace=float(os.environ.get("GRACE", 25)))
-''')
+JOB_SCRIPT = Path(HERE, "rank_scripts", "job.py")  # a job whose ranks misbehave on request
 
 # launch() starts every worker from its forkserver, whether or not the launcher has threads (numpy's
 # BLAS threads, OpenMP's after a parallel op): JOB_THREAD gives the launcher one, for the tests that say so.
@@ -99,11 +43,8 @@ class Job:
         self.marker = uuid.uuid4().hex
         self.ready_dir = tmp_path / f"ready-{self.marker}"
         self.ready_dir.mkdir()
-        script = tmp_path / "job.py"
-        if not script.exists():  # written once: rewriting it would race with launchers reading it
-            script.write_text(JOB.format(repo=HERE))
         full_env = {**os.environ, "DDP_TEST_MARKER": self.marker, "READY_DIR": str(self.ready_dir), **(env or {})}
-        self.proc = subprocess.Popen(command or [sys.executable, str(script), *args], cwd=tmp_path,
+        self.proc = subprocess.Popen(command or [sys.executable, str(JOB_SCRIPT), *args], cwd=tmp_path,
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
 
@@ -241,8 +182,7 @@ def test_workers_die_with_a_sigkilled_launcher(job):
 
 
 def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
-    script = tmp_path / "job.py"
-    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(script), "wait", "0", "2"])
+    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(JOB_SCRIPT), "wait", "0", "2"])
     j.wait_ready(2)
     os.kill(j.proc.pid, signal.SIGKILL)
     j.finish()
@@ -269,7 +209,7 @@ WITHOUT_PROC_UNAVAILABLE = cannot_run([*WITHOUT_PROC, "true"], "cannot unmount /
 
 @pytest.mark.skipif(bool(WITHOUT_PROC_UNAVAILABLE), reason=str(WITHOUT_PROC_UNAVAILABLE))
 def test_a_launcher_without_proc_runs_its_job(job):
-    j = job(command=[*WITHOUT_PROC, sys.executable, "job.py", "ok", "0", "2"])
+    j = job(command=[*WITHOUT_PROC, sys.executable, str(JOB_SCRIPT), "ok", "0", "2"])
     code, out, err = j.finish()
     assert code == 0 and "job ok" in out, err
     parents = j.worker_parents()
@@ -780,7 +720,7 @@ def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, s
 
 @pytest.mark.skipif(not shutil.which("timeout"), reason="GNU timeout is missing")
 def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, short_tmpdir):
-    j = job(command=["timeout", "-s", "TERM", "4", sys.executable, "job.py", "ignore-sigterm", "0", "2"],
+    j = job(command=["timeout", "-s", "TERM", "4", sys.executable, str(JOB_SCRIPT), "ignore-sigterm", "0", "2"],
             env={"TMPDIR": str(short_tmpdir), "GRACE": "2"})
     code, out, err = j.finish(timeout=60)
     assert code == 124, err  # timeout's own code: the command was stopped by it
@@ -825,16 +765,20 @@ def test_the_usage_examples_run_with_distributed_py_copied_alone(tmp_path, sourc
 # ---------------------------------------------------------------------------------------------
 
 
+C10D = torch.distributed.distributed_c10d.__file__  # where torch.distributed's collectives have their frames
+
+
 def test_the_hang_report_places_a_rank_caught_exiting_by_its_traceback():
     """Rank 1 timed out in barrier() and was exiting (threading._shutdown) when its stack was read: that
     stack holds none of the user's frames, so its traceback places it; with no traceback it is "exiting"."""
     user = "/home/me/train.py"
     stack = lambda *frames: "Thread 0x1 (most recent call first):\n" + "".join(  # noqa: E731
         f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
-    rank0 = stack((distributed.__file__, 270, "reduce"), (user, 30, "main_worker"))
+    rank0 = stack((C10D, 3252, "all_reduce"), (distributed.__file__, 270, "reduce"), (user, 30, "main_worker"))
     exiting = stack((threading.__file__, 1590, "_shutdown"))
     traceback = (f'Traceback (most recent call last):\n  File "{user}", line 40, in main_worker\n    barrier()\n'
                  f'  File "{distributed.__file__}", line 300, in barrier\n    dist.barrier()\n'
+                 f'  File "{C10D}", line 4811, in barrier\n    work.wait()\n'
                  "RuntimeError: Timed out waiting for peers\n")
     report = distributed._where_ranks_are({0: rank0, 1: exiting}, {0: None, 1: {"traceback": traceback}})
     assert "rank 0: waiting in reduce(), at train.py:30 in main_worker" in report, report
@@ -849,7 +793,7 @@ def test_under_nccl_the_report_says_where_a_rank_blocked_not_that_it_never_reach
     user = "/home/me/train.py"
     stack = lambda *frames: "Thread 0x1 (most recent call first):\n" + "".join(  # noqa: E731
         f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
-    stacks = {0: stack((distributed.__file__, 270, "reduce"), (user, 30, "main_worker")),
+    stacks = {0: stack((C10D, 3252, "all_reduce"), (distributed.__file__, 270, "reduce"), (user, 30, "main_worker")),
               1: stack((user, 41, "evaluate"), (user, 33, "main_worker"))}
     nccl = distributed._where_ranks_are(stacks, {}, nccl=True)
     assert ("rank 1: blocked outside a collective call, at train.py:41 in evaluate <- train.py:33 in main_worker; "
@@ -858,9 +802,23 @@ def test_under_nccl_the_report_says_where_a_rank_blocked_not_that_it_never_reach
     assert "rank 1: not in a collective (it never reached it), at train.py:41" in distributed._where_ranks_are(stacks, {})
 
 
+def test_the_hang_report_says_a_rank_that_raised_raised_where_it_did():
+    """Rank 1 raised (its traceback places it, not a live stack) outside any collective while rank 0 waited:
+    it "raised at" its line; neither "blocked" (a word for a live rank under nccl) nor "never reached it"."""
+    user = "/home/me/train.py"
+    rank0 = ("Thread 0x1 (most recent call first):\n"
+             f'  File "{C10D}", line 3252 in all_reduce\n  File "{user}", line 30 in main_worker\n')
+    traceback = (f'Traceback (most recent call last):\n  File "{user}", line 33, in main_worker\n    load()\n'
+                 f'  File "{user}", line 12, in load\n    raise OSError("disk")\nOSError: disk\n')
+    for nccl in (False, True):
+        report = distributed._where_ranks_are({0: rank0}, {0: None, 1: {"traceback": traceback}}, nccl=nccl)
+        assert "rank 1: raised at train.py:12 in load <- train.py:33 in main_worker" in report, report
+        assert "rank 0: waiting in all_reduce(), at train.py:30 in main_worker" in report, report
+
+
 def line_of(tmp_path: Path, text: str) -> int:
     """The line number of ``text`` in the job script the test ran."""
-    return next(n for n, line in enumerate((tmp_path / "job.py").read_text().splitlines(), 1) if text in line)
+    return next(n for n, line in enumerate(JOB_SCRIPT.read_text().splitlines(), 1) if text in line)
 
 
 @pytest.mark.parametrize("behaviour, stuck_at", [("spin", "in spin <- job.py:{} in worker"),
@@ -909,6 +867,34 @@ def test_a_rank_killed_by_sigabrt_is_placed_by_the_stacks_it_left(job, tmp_path)
     assert j.leftovers() == []
 
 
+def test_the_hang_report_finds_ranks_waiting_in_any_collective_of_a_gloo_job(job, tmp_path):
+    """Rank 1 sleeps; rank 0 waits in a Checkpointer's step() (its stop check's all-reduce), rank 2 in
+    torch.distributed.all_reduce called directly: each is "waiting", at the user's own line. The launcher
+    believes it sees a GPU (a GPU machine), but the job chose gloo: no word of nccl's caveat."""
+    j = job("library-calls", "1", "3", "3", env={"LAUNCHER_SEES_CUDA": "1"})
+    code, out, err = j.finish(timeout=60)
+    assert code == 1, err
+    assert f"rank 0: waiting in step(), at job.py:{line_of(tmp_path, 'ckpt.step()  ')} in worker" in err, err
+    assert f"rank 2: waiting in all_reduce(), at job.py:{line_of(tmp_path, 'torch.distributed.all_reduce(')}" in err
+    assert f"rank 1: not in a collective (it never reached it), at job.py:{line_of(tmp_path, 'never reaches')}" in err
+    assert "nccl" not in err.split("Where each rank was")[1], err
+    assert j.leftovers() == []
+
+
+def test_a_rank_killed_by_sigsegv_is_reported_with_its_line(job, tmp_path):
+    """A crash in C code (a driver, an extension): faulthandler writes the rank's stack as it dies; the report
+    names the signal and the user's line, and keeps the whole dump in a file it names (the job's directory is
+    deleted)."""
+    j = job("segv", "1", "2")
+    code, out, err = j.finish(timeout=60)
+    assert code == 1, err
+    line = line_of(tmp_path, "ctypes.string_at(0)")
+    assert f"rank 1 was killed by signal SIGSEGV; it was at job.py:{line} in worker (its stacks: " in err, err
+    dump = Path(re.search(r"its stacks: (\S+)\)", err).group(1)).read_text()
+    assert "Segmentation fault" in dump and f'job.py", line {line} in worker' in dump, dump
+    assert j.leftovers() == []
+
+
 def test_a_rank_whose_peer_finished_early_says_so(job):
     """gloo's "Connection closed by peer" explains nothing: the report says which rank had finished."""
     j = job("leave", "1", "2")
@@ -920,7 +906,7 @@ def test_a_rank_whose_peer_finished_early_says_so(job):
 
 def test_under_torchrun_kill_quit_prints_a_ranks_stack_and_it_keeps_running(job):
     """No launcher of ours collects stacks there: `kill -QUIT <pid>` on a rank shows where it is."""
-    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", "job.py", "wait", "0", "2"])
+    j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(JOB_SCRIPT), "wait", "0", "2"])
     j.wait_ready(2)
     ranks = [pid for pid in leftover_processes(f"DDP_TEST_MARKER={j.marker}")
              if b"job.py" in Path(f"/proc/{pid}/cmdline").read_bytes()

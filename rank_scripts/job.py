@@ -1,0 +1,86 @@
+"""A job whose ranks misbehave on request (test_launch.py): python job.py BEHAVIOUR RANK NPROCS [TIMEOUT].
+
+RANK is the rank that misbehaves. Each rank writes its parent's pid into a file in $READY_DIR once connected.
+With JOB_THREAD set, the launcher runs a second thread; with LAUNCHER_SEES_CUDA set, the launcher (only)
+believes a GPU is visible, as on a GPU machine where the job itself chose gloo.
+"""
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import checkpointer  # noqa: E402
+import distributed as dist  # noqa: E402
+
+
+def spin():
+    while True:
+        pass
+
+
+def abort_here():
+    time.sleep(0.2)
+    os.abort()
+
+
+def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
+    dist.init_process_group(local_rank, world_size, timeout=timeout)
+    dist.reduce(torch.ones(1))                      # everyone is connected
+    rank = dist.get_rank()
+    with open(os.path.join(ready_dir, f"ready{rank}"), "w") as f:
+        f.write(str(os.getppid()))
+    if behaviour == "raise" and rank == bad_rank:
+        time.sleep(0.2)                             # the others are already waiting below
+        raise ValueError(f"root cause on rank {rank}")
+    if behaviour == "sigkill" and rank == bad_rank:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "segv" and rank == bad_rank:
+        ctypes.string_at(0)                         # a crash in C code: SIGSEGV
+    if behaviour == "wait":
+        time.sleep(3600)
+    if behaviour == "ignore-sigterm":               # the launcher waits its grace period, then SIGKILLs
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    if behaviour == "spin" and rank == bad_rank:
+        spin()                                      # never returns: the others wait below
+    if behaviour == "read" and rank == bad_rank:
+        os.read(os.pipe()[0], 1)                    # blocked in a C call, forever
+    if behaviour == "primary-only":
+        if dist.is_primary():
+            dist.reduce(torch.ones(1))              # a collective on the primary alone
+        dist.barrier()
+    if behaviour == "abort" and rank == bad_rank:
+        abort_here()                                # as NCCL's watchdog aborts a rank (SIGABRT)
+    if behaviour == "leave" and rank == bad_rank:
+        return                                      # finishes early: its peers wait below
+    if behaviour == "library-calls":                # the healthy ranks wait inside calls that are not ours
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = checkpointer.Checkpointer(None, model, optimizer, check_every=1)
+        if rank == bad_rank:
+            time.sleep(3600)                        # it never reaches a collective
+        elif rank == 0:
+            optimizer.step()
+            ckpt.step()                             # waits in the stop check's all-reduce
+        else:
+            torch.distributed.all_reduce(torch.ones(1))  # the user's own call of torch.distributed
+    dist.reduce(torch.ones(1))                      # where the healthy ranks wait
+    dist.print_primary("job ok")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    behaviour, bad_rank, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
+    if os.environ.get("JOB_THREAD"):
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    if os.environ.get("LAUNCHER_SEES_CUDA"):
+        torch.cuda.is_available = lambda: True      # the launcher's view only: the ranks import torch afresh
+    dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs,
+                grace=float(os.environ.get("GRACE", 25)))
