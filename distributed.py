@@ -57,7 +57,6 @@ import re
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -159,7 +158,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if backend == "nccl" and not torch.cuda.is_available():  # torch would fail at world size 2, naming device_id
         raise ValueError("init_process_group: backend='nccl' needs a GPU and this process sees none "
                          "(torch.cuda.is_available() is False); pass backend=None (nccl on GPUs, else gloo) or 'gloo'")
-    device, timeout = _device_for(local_rank, backend in (None, "nccl")), _as_timedelta(timeout)  # checked in every world
+    # Both are checked in every world, a world of one included: a bad value fails on a laptop, not on a cluster.
+    device = _device_for(local_rank, backend in (None, "nccl"))
+    timeout = _as_timedelta(timeout)
     if _has_group():
         return device
     env = _launcher_env()
@@ -728,7 +729,8 @@ class _Workers:
                 self.processes[rank].join()
                 stopped = self.processes[rank].exitcode in _STOP_EXITS or stopping and self._report(rank) is None
                 if self.processes[rank].exitcode != 0 and not stopped:
-                    seen_at, reports = time.time(), filter(None, map(self._report, range(len(self.processes))))
+                    seen_at = time.time()
+                    reports = [report for report in map(self._report, range(len(self.processes))) if report]
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
                     timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
                         any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
@@ -840,7 +842,7 @@ def _start_context() -> Any:
 def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
                   env: dict[str, str], err_file: str, parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
-    gc.freeze()  # torch's objects live as long as this process: spare every full collection them
+    gc.freeze()  # torch's many objects live as long as this process: no full collection need scan them
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (see _Workers)
     # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,11 +15,12 @@ import functools
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ddp_check import check_equivalence
 from shared_memory_allreduce import shared_memory_allreduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = Path(HERE, "rank_scripts")  # the programs the tests run as real processes (ranks, launchers, drivers)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")  # conftest.py loads it
 
 
@@ -284,84 +286,12 @@ def task_sampler_skip(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-# min_ddp.py run as a command (`python min_ddp.py FLAGS`), with the suite's settings. driver.py adds
-# `--train-size $TRAIN_SIZE` (fewer samples) and puts MIN_DDP_HOOKS on PYTHONPATH as sitecustomize, which
-# every Python process of the run (the launcher, its forkserver whose forks are the ranks, torchrun's and
-# srun's workers) imports first: FLOAT64=1 (torch's default dtype, so the data and the model: tight tolerances),
-# and STOP_AT="rank:step:SIGNAL[:late],...": after its step-th optimizer step of this run, that rank signals
-# itself; ":late" sends it 0.3 s later while every other rank sleeps 0.6 s, so the signal lands while this rank
-# waits inside the next step's gradient all-reduce.
-# START_METHOD: multiprocessing's default start method inside each rank (forkserver: Python 3.14's).
-# CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
-# SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
-# training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
-MIN_DDP_DRIVER = textwrap.dedent('''
-    import os, sys
-    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "min_ddp_hooks")
-    path = os.pathsep.join(p for p in (hooks, {repo!r}, os.environ.get("PYTHONPATH")) if p)
-    size = ["--train-size", os.environ["TRAIN_SIZE"]] if os.environ.get("TRAIN_SIZE") else []
-    os.execve(sys.executable, [sys.executable, os.path.join({repo!r}, "min_ddp.py"), *sys.argv[1:], *size],
-              {{**os.environ, "PYTHONPATH": path}})
-''')
-MIN_DDP_HOOKS = textwrap.dedent('''
-    import multiprocessing, os, runpy, signal, sys, threading, time, warnings
-    here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:  # a sitecustomize later on the path (the no-numpy tests') still runs
-        if entry and os.path.abspath(entry) != here and os.path.isfile(os.path.join(entry, "sitecustomize.py")):
-            runpy.run_path(os.path.join(entry, "sitecustomize.py"))
-            break
-    warnings.filterwarnings("ignore", "Failed to initialize NumPy")
-    import torch
-    import distributed
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    if os.environ.get("FLOAT64"):
-        torch.set_default_dtype(torch.float64)
-    PLAN = [item.split(":") for item in os.environ.get("STOP_AT", "").split(",") if item]
-
-    def after_step(optimizer, args, kwargs):
-        optimizer.steps_here = getattr(optimizer, "steps_here", 0) + 1
-        for rank, step, name, *late in PLAN:
-            if int(step) != optimizer.steps_here:
-                continue
-            signum = getattr(signal, name)
-            if int(rank) == distributed.get_rank():
-                send = lambda: os.kill(os.getpid(), signum)
-                threading.Timer(0.3, send).start() if late else send()
-            elif late:
-                time.sleep(0.6)
-
-    register_optimizer_step_post_hook(after_step)
-    if os.environ.get("START_METHOD"):  # e.g. forkserver, Python 3.14's default: set in the rank, as it would be
-        init = distributed.init_process_group
-        def forced(*args, **kwargs):
-            multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
-            return init(*args, **kwargs)
-        distributed.init_process_group = forced
-    if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        rank, step = map(int, os.environ["CRASH_AT"].split(":"))
-        register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and
-                                          optimizer.steps_here == step and os._exit(17))
-    if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-        register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
-''')
-
-
-def min_ddp_driver(directory: str | os.PathLike) -> str:
-    """Write the driver (and its hooks) into ``directory``; the driver's path."""
-    path, hooks = os.path.join(directory, "driver.py"), os.path.join(directory, "min_ddp_hooks")
-    if not os.path.exists(path):
-        os.makedirs(hooks, exist_ok=True)
-        with open(os.path.join(hooks, "sitecustomize.py"), "w") as f:
-            f.write(MIN_DDP_HOOKS)
-        with open(path, "w") as f:
-            f.write(MIN_DDP_DRIVER.format(repo=HERE))
-    return path
+MIN_DDP = SCRIPTS / "min_ddp_driver.py"  # min_ddp.py as a command, with the suite's settings and hooks
 
 
 def run_min_ddp(directory: str | os.PathLike, *flags: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
-    """``python driver.py *flags`` in ``directory``, with ``env`` added (FLOAT64, TRAIN_SIZE, STOP_AT...)."""
-    return subprocess.run([sys.executable, min_ddp_driver(directory), *flags], cwd=directory, capture_output=True,
+    """``python min_ddp_driver.py *flags`` in ``directory``, with ``env`` added (FLOAT64, TRAIN_SIZE, STOP_AT...)."""
+    return subprocess.run([sys.executable, str(MIN_DDP), *flags], cwd=directory, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **env})
 
 
@@ -391,6 +321,12 @@ def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
             p.kill()
         raise AssertionError(f"hung, killed after {timeout} s: {[p.communicate() for p in procs]}") from None
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def default_sigint() -> None:
+    """preexec_fn for a child that a test interrupts: SIGINT's default disposition. A suite started with SIGINT
+    ignored (`nohup python -m pytest &`, some CI runners) would pass that on, and the child would not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:
@@ -478,3 +414,27 @@ def task_wire_contiguity(spec: dict) -> dict:
 
 def task_all_gather(spec: dict) -> torch.Tensor:
     return distributed.all_gather(spec["values"][distributed.get_rank()])
+
+
+def without_numpy(tmp_path) -> dict:
+    """An environment whose interpreters, spawned ranks included, fail to `import numpy`, as on a
+    machine where only requirements.txt is installed (torch does not depend on numpy)."""
+    site = tmp_path / "no-numpy"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["numpy"] = None\n')
+    return {"PYTHONPATH": os.pathsep.join([str(site), HERE])}
+
+
+def assert_bitwise_equal(a, b, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -6,8 +6,7 @@
     srun -n 2 python min_ddp.py                         # ... and under SLURM
     python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then
     python min_ddp.py --config cfg.json --epochs 3      # flags override the file
-    python min_ddp.py --snapshot run.pt --epochs 10     # resumes from run.pt if it exists; on SIGTERM,
-                                                        # SIGUSR1 or SIGUSR2 saves there and exits
+    python min_ddp.py --snapshot run.pt --epochs 10     # resumes if run.pt exists; SIGTERM/USR1/USR2 save there, exit
 
 Prints each rank's and the global loss/accuracy every --log-every steps, and an exact validation every epoch.
 """
@@ -47,8 +46,9 @@ def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> N
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
-    model, world = model.to(device), distributed.get_world_size()
+    layers = [nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)]
+    model = nn.Sequential(*layers).to(device)
+    world = distributed.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     train_set, val_set = make_dataset("train", args.train_size), make_dataset("val", VAL_SIZE)
     sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)  # alone too: one order
@@ -63,8 +63,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     metrics = {"unlogged": zeros, "epoch": zeros.clone(), "train_loss": float("nan"), "world": world}
     try:  # restores the model, optimizer, RNG, position and metrics from --snapshot if it exists
         ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.grad_accum,
-                                        settings={"--seed": args.seed, "--lr": args.lr, "--train-size": args.train_size},
-                                        state=metrics, check_every=args.check_every)
+                            settings={"--seed": args.seed, "--lr": args.lr, "--train-size": args.train_size},
+                            state=metrics, check_every=args.check_every)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     if metrics["world"] != world:  # resumed at another world size: per-rank sums cannot be split
@@ -75,7 +75,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                               f"{backend} allreduce={allreduce} device={device.type} threads={torch.get_num_threads()}")
     started, samples = time.perf_counter(), 0
     val_loss, correct, count = evaluate(model, val_loader) if ckpt.epoch >= args.epochs else (0, 0, 1)
-    for epoch in ckpt.epochs(args.epochs):
+    for epoch in ckpt.epochs(args.epochs):  # it calls sampler.set_epoch (a new shuffle; mid-epoch: what is left)
         samples += len(loader) * args.batch_size * world
         metrics["train_loss"] = train_epoch(ddp_model, loader, optimizer, ckpt, metrics, args)
         val_loss, correct, count = evaluate(model, val_loader)
@@ -86,8 +86,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     if args.save_model:
         distributed.save_checkpoint(model.state_dict(), args.save_model)
     speed = f" samples_per_s={samples / (time.perf_counter() - started):.0f}" if samples else ""  # none trained
-    distributed.print_primary(f"done: world={world} epochs={args.epochs} train_loss="
-                              f"{metrics['train_loss']:.4f} val_loss={val_loss:.4f} val_acc={correct / count:.4f}{speed}")
+    distributed.print_primary(f"done: world={world} epochs={args.epochs} train_loss={metrics['train_loss']:.4f} "
+                              f"val_loss={val_loss:.4f} val_acc={correct / count:.4f}{speed}")
 
 
 def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:

@@ -59,8 +59,10 @@ def shared_memory_allreduce(
     grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     # DDP closes a bucket once it reaches bucket_bytes_cap, so its last parameter may overshoot.
     bucket_bytes = min(sum(grad_bytes), model.bucket_bytes_cap + max(grad_bytes, default=0))
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT.total_seconds() if timeout is None else timeout)
+    if timeout is None:
+        timeout = distributed.DEFAULT_TIMEOUT
+    elif not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
     if not timeout.total_seconds() > 0:
         raise ValueError(f"shared_memory_allreduce: timeout must be positive, got: {timeout!r}")
     state = _SharedGradients.attach(local_ok, bucket_bytes, timeout)

@@ -13,14 +13,11 @@ Tolerances (float64 throughout the training properties):
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -30,11 +27,9 @@ from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 import distributed
-import min_ddp_cli
-from harness import (CLASSES, FEATURES, HERE, build_data, build_model, check_training, examples, grad_vector,
-                      leftover_processes, loss_fn, one_thread, run_min_ddp, run_script, task_all_gather, task_eval,
-                      task_grads,
-                      task_identity, task_reduce, task_sampler, task_wire_contiguity)
+from harness import (CLASSES, FEATURES, HERE, SCRIPTS, build_data, build_model, check_training, examples, grad_vector,
+                      loss_fn, one_thread, run_script, task_all_gather, task_eval, task_grads, task_identity,
+                      task_reduce, task_sampler, task_sampler_skip, task_wire_contiguity, without_numpy)
 
 RTOL = ATOL = 1e-9
 
@@ -319,6 +314,7 @@ def test_exactly_one_primary_and_ranks_are_distinct(pools, world):
     assert {r["start_method"] for r in results} == {None}
 
 
+@pytest.mark.slow
 def test_the_cpu_suite_hides_the_gpus_from_itself_and_every_process_it_starts():
     """Where GPUs are visible, the suite's ranks would take nccl and `--nprocs 2` would be refused on one GPU:
     conftest.py hides them (CUDA_VISIBLE_DEVICES=) from pytest and every process it starts."""
@@ -327,6 +323,7 @@ def test_the_cpu_suite_hides_the_gpus_from_itself_and_every_process_it_starts():
     assert child.stdout.split() == ["''", "False"], child.stderr
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_run_only_when_asked_for_and_then_alone():
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                                cwd=HERE, capture_output=True, text=True, timeout=120, env={**os.environ, "DDP_GPU_TESTS": "1"})
@@ -342,73 +339,12 @@ def test_helpers_behave_as_one_process_before_init():
     distributed.cleanup()
 
 
-def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
-    marker = f"DDP_TEST_MARKER={uuid.uuid4().hex}"
-    key, value = marker.split("=")
-    out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0].startswith("mode=spawn world=2 backend=gloo allreduce=shared-memory device=cpu")
-    assert any(line.startswith("[rank 0] epoch 1 step 64/128") for line in lines)
-    assert any(line.startswith("[rank 1] epoch 1 step 64/128") for line in lines)
-    assert any(line.startswith("[global] epoch 1 step 64/128") for line in lines)
-    done = dict(kv.split("=") for kv in lines[-1].removeprefix("done: ").split())
-    assert lines[-1].startswith("done: ") and done["world"] == "2" and done["epochs"] == "2"
-    # Both count every rank's training samples: the run's rate, a little later than the last epoch's line.
-    last_epoch_rate = float(re.findall(r"\| (\d+) samples/s", out.stdout)[-1])
-    assert float(done["val_acc"]) >= 0.90 and 0.5 * last_epoch_rate <= float(done["samples_per_s"]) <= last_epoch_rate
-    assert {"train_loss", "val_loss"} <= done.keys()
-    assert "NumPy" not in out.stderr, out.stderr  # torch's notice that numpy is missing, in any process
-    assert leftover_processes(marker) == []
-
-
-PRINT_RANKED = """
-import sys
-import distributed as dist
-
-def worker(local_rank, world_size):
-    dist.init_process_group(local_rank, world_size)
-    dist.print_ranked("é" * dist.get_rank(), "line", dist.get_rank(), sep="|")  # lines of unequal length
-    dist.cleanup()
-
-if __name__ == "__main__":
-    dist.launch(worker, nprocs=int(sys.argv[1]))
-"""
-
-
-def without_numpy(tmp_path) -> dict:
-    """An environment whose interpreters, spawned ranks included, fail to `import numpy`, as on a
-    machine where only requirements.txt is installed (torch does not depend on numpy)."""
-    site = tmp_path / "no-numpy"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text('import sys\nsys.modules["numpy"] = None\n')
-    return {"PYTHONPATH": os.pathsep.join([str(site), HERE])}
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 def test_print_ranked_prints_one_line_per_rank_in_rank_order_without_numpy(tmp_path, world):
-    script = tmp_path / "ranked.py"
-    script.write_text(PRINT_RANKED)
-    out = run_script([str(script), str(world)], timeout=120, env=without_numpy(tmp_path))
+    out = run_script([str(SCRIPTS / "ranked.py"), str(world)], timeout=120, env=without_numpy(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [f"[rank {r}] {'é' * r}|line|{r}" for r in range(world)]
-
-
-def test_min_ddp_saves_and_resumes_on_two_processes_without_numpy(tmp_path):
-    """The quick start with --snapshot, in interpreters where numpy cannot be imported: every
-    collective (the shared-memory set-up, save_checkpoint, the metrics) must travel as tensors."""
-    env = without_numpy(tmp_path)
-    check = run_script(["-c", "import numpy"], env=env)
-    assert check.returncode != 0, "the sitecustomize must hide numpy"
-    snapshot = tmp_path / "s.pt"
-    flags = ["--nprocs", "2", "--snapshot", str(snapshot), "--log-every", "8"]
-    first = run_min_ddp(tmp_path, *flags, "--epochs", "1", TRAIN_SIZE="2048", **env)
-    assert first.returncode == 0, first.stderr
-    assert "allreduce=shared-memory" in first.stdout and "done: world=2 epochs=1" in first.stdout
-    second = run_min_ddp(tmp_path, *flags, "--epochs", "2", TRAIN_SIZE="2048", **env)
-    assert second.returncode == 0, second.stderr
-    assert f"resumed from {snapshot} after 1 epoch(s)" in second.stdout
-    assert "epoch 2/2" in second.stdout and "done: world=2 epochs=2" in second.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,117 +393,25 @@ def test_launch_rejects_a_lambda_before_starting_anything():
         distributed.launch(lambda rank, world: None, nprocs=2)
 
 
-@pytest.mark.parametrize("flag, value", [("--batch-size", "0"), ("--epochs", "-1"), ("--nprocs", "0"),
-                                         ("--lr", "0"), ("--timeout", "0"), ("--train-size", "0")])
-def test_min_ddp_rejects_non_positive_settings(flag, value, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        min_ddp_cli.parse_args([flag, value])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"got: {value}" in err and flag in err, err
+@settings(max_examples=examples(10), deadline=None)
+@given(n=st.integers(1, 40), world=st.sampled_from([1, 2]), shuffle=st.booleans(), pad=st.booleans(),
+       seed=st.integers(0, 3), epoch=st.integers(0, 3), batch=st.integers(1, 5), data=st.data())
+def test_set_epoch_skip_continues_the_same_order_and_never_loads_the_skipped(pools, n, world, shuffle, pad, seed,
+                                                                                epoch, batch, data):
+    share = -(-n // world) if pad else n // world  # the smallest rank's share
+    skip = data.draw(st.integers(0, share), label="skip")
+    spec = {"n": n, "shuffle": shuffle, "pad": pad, "seed": seed, "epoch": epoch, "skip": skip, "batch": batch}
+    if pad and n < world:
+        return  # data_sampler refuses it (tested elsewhere)
+    for rank, got in enumerate(pools.run(world, task_sampler_skip, spec)):
+        assert got["resumed"] == got["whole"][skip:], f"rank {rank}: not the rest of the same order"
+        assert got["len"] == len(got["whole"]) - skip
+        assert got["loaded"] == got["resumed"], f"rank {rank}: loaded {got['loaded']}, a skipped sample among them"
+        assert got["next_len"] == len(got["whole"]), "the next set_epoch must start whole"
 
 
-@pytest.mark.parametrize("nprocs, gpus, refused", [(2, 1, True), (4, 2, True), (2, 2, False), (None, 1, False),
-                                                   (2, 0, False)])
-def test_min_ddp_more_processes_than_gpus_is_one_line_naming_both_ways_out(nprocs, gpus, refused):
-    """On a 1-GPU machine `--nprocs 2` was a ValueError traceback from launch(); parse_args says it in one line."""
-    problem = min_ddp_cli.too_many_processes(nprocs, gpus)
-    assert (problem is not None) == refused
-    assert not refused or (f"--nprocs {nprocs} but {gpus} GPU(s) are visible" in problem and "`python min_ddp.py`"
-                           in problem and f"`CUDA_VISIBLE_DEVICES= python min_ddp.py --nprocs {nprocs}`" in problem)
 
-
-def test_min_ddp_config_file_and_flags_override(tmp_path):
-    config = tmp_path / "cfg.json"
-    config.write_text('{"epochs": 3, "lr": 0.5, "batch_size": 16}')
-    args = min_ddp_cli.parse_args(["--config", str(config), "--lr", "0.25"])
-    assert (args.epochs, args.lr, args.batch_size) == (3, 0.25, 16)
-
-
-@pytest.mark.parametrize("content, message", [
-    ('{"epoch": 3}', "--config {}: expected a JSON object whose keys are among: nprocs, epochs, batch_size,"),
-    ('[3]', "--config {}: expected a JSON object whose keys are among: nprocs, epochs, batch_size,"),
-    ('{"lr": ', "--config {}: Expecting value: line 1 column 8"),
-    ('{"lr": "fast"}', "argument --lr: invalid float value: 'fast'"),
-    ('{"epochs": 0}', "--epochs must be > 0, got: 0"),
-])
-def test_min_ddp_config_errors_name_the_file_or_the_flag(tmp_path, capsys, content, message):
-    config = tmp_path / "cfg.json"
-    config.write_text(content)
-    with pytest.raises(SystemExit) as exit_:
-        min_ddp_cli.parse_args(["--config", str(config)])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and message.format(config) in err.strip().splitlines()[-1], err  # one line
-
-
-def test_min_ddp_help_shows_every_default(capsys):
-    with pytest.raises(SystemExit):
-        min_ddp_cli.parse_args(["--help"])
-    help_text = " ".join(capsys.readouterr().out.split())
-    assert "per process (default: 64)" in help_text and "(default: 0.01)" in help_text
-
-
-def test_min_ddp_settings_it_cannot_use_are_one_line_without_a_traceback(tmp_path):
-    """A batch larger than a rank's share: the launcher re-raises the rank's SettingsError as itself (a class
-    from the script), and min_ddp prints it in one line (a refused resume: test_snapshot.py). A snapshot that
-    has every epoch already reports its model and no speed."""
-    too_big = run_min_ddp(tmp_path, "--nprocs", "2", "--batch-size", "1025", TRAIN_SIZE="2048")
-    assert too_big.returncode == 1 and "Traceback" not in too_big.stderr, too_big.stderr
-    assert too_big.stderr.strip().splitlines()[-1].startswith("min_ddp: --batch-size 1025 is more than each "
-                                                               "process's share of the training data (1024 samples")
-    snapshot = str(tmp_path / "s.pt")
-    assert run_min_ddp(tmp_path, "--epochs", "1", "--snapshot", snapshot, TRAIN_SIZE="2048").returncode == 0
-    nothing_left = run_min_ddp(tmp_path, "--epochs", "1", "--snapshot", snapshot, TRAIN_SIZE="2048")
-    done = nothing_left.stdout.splitlines()[-1]
-    assert done.startswith("done: world=1 epochs=1") and "samples_per_s" not in done, nothing_left.stdout
-
-
-def test_min_ddp_ctrl_c_is_one_line_and_exit_code_130():
-    proc = subprocess.Popen([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proc.stdout.readline().startswith("mode=spawn")  # the workers are training
-        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and err == "min_ddp: interrupted\n", err
-
-
-def test_min_ddp_print_config_writes_a_config_that_reads_back_as_the_same_settings(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        min_ddp_cli.parse_args(["--print-config", "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
-    assert exit_.value.code == 0
-    config = tmp_path / "cfg.json"
-    config.write_text(capsys.readouterr().out)
-    assert min_ddp_cli.parse_args(["--config", str(config)]) == min_ddp_cli.parse_args(
-        ["--config", str(config), "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
-    assert json.loads(config.read_text())["epochs"] == 3
-
-
-def test_min_ddp_checks_a_config_files_values_as_flags(tmp_path, capsys):
-    config = tmp_path / "cfg.json"
-    config.write_text('{"lr": -1}')
-    with pytest.raises(SystemExit):
-        min_ddp_cli.parse_args(["--config", str(config)])
-    assert "--lr must be > 0, got: -1.0" in capsys.readouterr().err  # checked as the flag would be
-
-
-@pytest.mark.parametrize("source", ["flag", "config"])
-@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
-def test_min_ddp_refuses_an_unwritable_output_path_before_training(tmp_path, capsys, flag, source):
-    path = str(tmp_path / "no" / "such" / "out.pt")
-    config = tmp_path / "cfg.json"
-    config.write_text(json.dumps({flag[2:].replace("-", "_"): path}))
-    with pytest.raises(SystemExit) as exit_:
-        min_ddp_cli.parse_args([flag, path] if source == "flag" else ["--config", str(config)])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {path} is a directory, or {os.path.dirname(path)} is missing or read-only" in err, err
-
-
-@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
-def test_min_ddp_refuses_a_directory_as_an_output_file_before_training(tmp_path, capsys, flag):
-    with pytest.raises(SystemExit) as exit_:
-        min_ddp_cli.parse_args([flag, str(tmp_path)])
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {tmp_path} is a directory, or" in capsys.readouterr().err
+def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
+    sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
+    with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):
+        sampler.set_epoch(0, skip=11)

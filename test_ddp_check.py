@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import re
-import textwrap
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 import ddp_check
 import distributed
-from harness import HERE, leftover_processes, run_script
+from harness import SCRIPTS, leftover_processes, run_script
 from ddp_check import assert_ddp_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
@@ -348,6 +347,7 @@ def test_the_first_diverging_tensor_is_named_in_parameter_order():
     assert re.search(r"world size 3, step 1, the gradient of `0\.weight`", message), message
 
 
+@pytest.mark.slow
 def test_a_hung_rank_fails_the_call_after_the_timeout_and_the_next_call_works(monkeypatch):
     monkeypatch.setattr(ddp_check, "TIMEOUT_S", 3.0)
     message = failure(slow_on_rank_one, vectors, cross_entropy, world_sizes=(2,))
@@ -407,41 +407,11 @@ def test_dataset_smaller_than_the_ranks_need_is_rejected():
 # From a plain script: pools reused, nothing left behind
 # ---------------------------------------------------------------------------------------------
 
-SCRIPT = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {repo!r})
-    import torch, torch.nn as nn, torch.nn.functional as F
-    from torch.utils.data import TensorDataset
-    from ddp_check import assert_ddp_equivalent
-
-    def make_model():
-        return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-
-    def make_data():
-        return TensorDataset(torch.randn(48, 5, generator=torch.Generator().manual_seed(0)),
-                             torch.arange(48) % 3)
-
-    def mean_loss(model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def sum_loss(model, batch):  # DDP averages gradients: a summed loss diverges from one process
-        x, y = batch
-        return F.cross_entropy(model(x), y, reduction="sum")
-
-    if __name__ == "__main__":
-        for loss_fn in (mean_loss, sum_loss, mean_loss):  # the later calls reuse the pools
-            try:
-                assert_ddp_equivalent(make_model, make_data, loss_fn)
-                print("equivalent")
-            except AssertionError as e:
-                print("diverges:", str(e).splitlines()[0])
-''')
 
 
+@pytest.mark.slow
 def test_check_runs_from_a_plain_script_and_leaves_no_process(tmp_path):
-    script = tmp_path / "check_mine.py"
-    script.write_text(SCRIPT.format(repo=HERE))
+    script = SCRIPTS / "check_mine.py"
     marker = f"DDP_CHECK_{tmp_path.name}"
     out = run_script([str(script)], timeout=180, env={marker: "1"})
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 
@@ -22,73 +21,13 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import distributed
-from harness import HERE, leftover_processes, min_ddp_driver, run_script
-from test_snapshot import assert_bitwise_equal
+from harness import MIN_DDP, SCRIPTS, assert_bitwise_equal, leftover_processes, run_script
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible (the CPU suite hides them): run "
                                 "`DDP_GPU_TESTS=1 python -m pytest -q test_gpu.py` on a machine with a GPU")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one device")
 
-# python job.py BACKEND SNAPSHOT [BEHAVIOUR]: every helper with CUDA and CPU tensors, then BEHAVIOUR.
-JOB = textwrap.dedent('''
-    import os, sys, time
-    sys.path.insert(0, {repo!r})
-    import torch
-    import checkpointer
-    import distributed
-
-    def check(got, expected, device):
-        assert got.device == device, (got.device, device)
-        assert torch.equal(got.cpu(), expected), (got, expected)
-
-    def worker(local_rank, world_size, backend, snapshot, behaviour):
-        device = distributed.init_process_group(local_rank, world_size, backend=backend, timeout=20)
-        assert device.type == "cuda" and torch.distributed.get_backend() in (backend, "undefined"), device
-        rank, world = distributed.get_rank(), distributed.get_world_size()
-        for where in (device, torch.device("cpu")):
-            check(distributed.reduce(torch.tensor([rank + 1.0], device=where)),
-                  torch.tensor([world * (world + 1) / 2]), where)
-            check(distributed.reduce(torch.tensor(rank, device=where), "mean"),
-                  torch.tensor((world - 1) / 2, dtype=torch.float64), where)
-            check(distributed.reduce(torch.tensor(True, device=where)), torch.tensor(world), where)
-            check(distributed.reduce(torch.tensor(rank, dtype=torch.int16, device=where), "max"),
-                  torch.tensor(world - 1, dtype=torch.int16), where)
-            check(distributed.all_gather(torch.tensor([rank, -rank], device=where)),
-                  torch.tensor([[r, -r] for r in range(world)]), where)
-        distributed.print_ranked(f"on {{device}}")
-        state = {{"weights": torch.full((3,), float(rank), device=device), "steps": torch.arange(3),
-                 "rng": torch.get_rng_state()}}
-        distributed.save_checkpoint(state, snapshot)
-        loaded = distributed.load_checkpoint(snapshot)
-        check(loaded["weights"], torch.zeros(3), device)   # the primary's, mapped to this rank's GPU
-        check(loaded["steps"], torch.arange(3), device)
-        torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
-        model, kept = torch.nn.Linear(2, 1).to(device), {{"cpu": torch.ones(2), "gpu": torch.ones(2, device=device)}}
-        checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
-        kept = {{"cpu": torch.zeros(2), "gpu": torch.zeros(2, device=device)}}
-        checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
-        check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
-        check(kept["gpu"], torch.ones(2), device)
-        if behaviour == "raise" and rank == 1:
-            time.sleep(0.5)                                  # rank 0 waits in the reduce below
-            torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight
-            raise ValueError("root cause on rank 1")
-        if behaviour == "hang" and rank == 1:
-            time.sleep(3600)
-        distributed.reduce(torch.ones(1, device=device)).item()
-        distributed.print_primary("job ok")
-        distributed.cleanup()
-
-    def main(local_rank, world_size, backend, snapshot, behaviour):
-        try:
-            worker(local_rank, world_size, backend, snapshot, behaviour)
-        finally:
-            distributed.cleanup()                            # as the example does: must not hide the error
-
-    if __name__ == "__main__":
-        distributed.launch(main, sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ok")
-''')
 
 
 def torchrun_command(processes: int) -> list[str]:
@@ -98,8 +37,7 @@ def torchrun_command(processes: int) -> list[str]:
 
 def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str, float]:
     """Run the job (under torchrun with that many local ranks, else launch()); (result, marker, seconds)."""
-    script = tmp_path / "job.py"
-    script.write_text(JOB.format(repo=HERE))
+    script = SCRIPTS / "gpu_job.py"
     marker = uuid.uuid4().hex
     command = [sys.executable, str(script), *args]
     if torchrun:
@@ -146,7 +84,7 @@ def test_a_stop_signal_on_nccl_ranks_saves_mid_epoch_and_the_resume_ends_bitwise
     """Checkpointer under nccl: the stop check's all-reduce, every rank's CUDA RNG in the snapshot, and a
     mid-epoch resume on one rank per GPU that ends with the uninterrupted run's model."""
     def run(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
-        return subprocess.run([*torchrun_command(GPUS), min_ddp_driver(tmp_path), "--epochs", "2", "--batch-size", "64",
+        return subprocess.run([*torchrun_command(GPUS), str(MIN_DDP), "--epochs", "2", "--batch-size", "64",
                                "--log-every", "1000", "--check-every", "1", *flags], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300, env={**os.environ, "TRAIN_SIZE": "2048", "STOP_AT": stop})
     straight = run("--save-model", str(tmp_path / "straight.pt"))
@@ -180,10 +118,10 @@ def test_a_hung_rank_under_nccl_fails_soon_after_the_timeout_and_the_report_plac
     out, marker, seconds = start_job(tmp_path, "nccl", str(tmp_path / "s.pt"), "hang", timeout=300)
     assert out.returncode != 0
     assert seconds < 20 + 120, f"took {seconds:.0f} s"
-    lines = JOB.splitlines()
-    item = 1 + next(n for n, line in enumerate(lines) if "reduce(torch.ones(1, device=device)).item()" in line)
+    lines = (SCRIPTS / "gpu_job.py").read_text().splitlines()
+    item = next(n for n, line in enumerate(lines, 1) if "reduce(torch.ones(1, device=device)).item()" in line)
     assert "Where each rank was when the collective timed out" in out.stderr, out.stderr[-3000:]
-    assert f"rank 0: blocked outside a collective call, at job.py:{item} in worker" in out.stderr, out.stderr[-3000:]
+    assert f"rank 0: blocked outside a collective call, at gpu_job.py:{item} in worker" in out.stderr, out.stderr[-3000:]
     assert "under nccl a rank waits for an earlier collective" in out.stderr
     assert leftover_processes(marker) == []
 

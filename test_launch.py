@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import distributed
-from harness import HERE, cannot_run, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
+from harness import HERE, SCRIPTS, cannot_run, default_sigint, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
 
 JOB_SCRIPT = Path(HERE, "rank_scripts", "job.py")  # a job whose ranks misbehave on request
 
@@ -46,7 +46,7 @@ class Job:
         full_env = {**os.environ, "DDP_TEST_MARKER": self.marker, "READY_DIR": str(self.ready_dir), **(env or {})}
         self.proc = subprocess.Popen(command or [sys.executable, str(JOB_SCRIPT), *args], cwd=tmp_path,
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True, preexec_fn=default_sigint)
 
     def wait_ready(self, ranks: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -103,6 +103,7 @@ def job(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs, bad_rank", [(4, 2), (3, 0)], ids=["4-2", "3-0"])  # a rank amid the others; the primary
 def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
     j = job("raise", str(bad_rank), str(nprocs))
@@ -116,6 +117,7 @@ def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_rank_killed_by_a_signal_is_named(job):
     j = job("sigkill", "1", "3")
     code, out, err = j.finish()
@@ -129,6 +131,7 @@ def test_rank_killed_by_a_signal_is_named(job):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, expected_code", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, -signal.SIGTERM)])
 def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code):
     """`kill -INT <launcher pid>` / `kill -TERM`: the launcher dies of that signal (shell: 130 / 143)."""
@@ -140,6 +143,7 @@ def test_signal_to_the_launcher_alone_stops_every_worker(job, sig, expected_code
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_stops_every_worker_quietly(job):
     """Ctrl-C in a terminal signals the whole foreground group; workers leave it to the launcher."""
     j = job("wait", "0", "2")
@@ -159,6 +163,7 @@ def forkserver_importing_torch(pid: int) -> bool:
     return b"forkserver" in cmdline and "libtorch" in maps  # mapped early in `import torch`, which takes seconds
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_forkserver_imports_torch_leaves_no_process_behind(job):
     """Ctrl-C in the first seconds, while the forkserver imports torch: it dies of the interrupt (beside
     the launcher's traceback it prints its own), so it forks no worker that the launcher never learns of."""
@@ -173,6 +178,7 @@ def test_ctrl_c_while_the_forkserver_imports_torch_leaves_no_process_behind(job)
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_sigkilled_launcher(job):
     j = job("wait", "0", "3")
     j.wait_ready(3)
@@ -181,6 +187,7 @@ def test_workers_die_with_a_sigkilled_launcher(job):
     assert j.leftovers() == [], "workers outlived their SIGKILLed launcher"
 
 
+@pytest.mark.slow
 def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
     j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(JOB_SCRIPT), "wait", "0", "2"])
     j.wait_ready(2)
@@ -189,6 +196,7 @@ def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
     assert j.leftovers() == [], "torchrun workers outlived their SIGKILLed agent"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", [{}, {"JOB_THREAD": "1"}], ids=["one-thread", "with-a-thread"])
 def test_normal_run_from_the_forkserver_warns_of_nothing_and_leaves_no_process_behind(job, launcher):
     """One start path, the forkserver: numpy (whose BLAS starts threads at import) must not change it."""
@@ -207,6 +215,7 @@ WITHOUT_PROC = ["unshare", "--mount", "sh", "-c", 'umount -l /proc && exec "$@"'
 WITHOUT_PROC_UNAVAILABLE = cannot_run([*WITHOUT_PROC, "true"], "cannot unmount /proc in a mount namespace")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(WITHOUT_PROC_UNAVAILABLE), reason=str(WITHOUT_PROC_UNAVAILABLE))
 def test_a_launcher_without_proc_runs_its_job(job):
     j = job(command=[*WITHOUT_PROC, sys.executable, str(JOB_SCRIPT), "ok", "0", "2"])
@@ -216,23 +225,10 @@ def test_a_launcher_without_proc_runs_its_job(job):
     assert len(parents) == 1 and parents != {j.proc.pid}, (parents, j.proc.pid)
 
 
+@pytest.mark.slow
 def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_path):
     """A worker forked from a launcher whose OpenMP threads exist would hang at its first parallel op."""
-    script = tmp_path / "openmp.py"
-    script.write_text(textwrap.dedent(f'''
-        import sys
-        sys.path.insert(0, {HERE!r})
-        import torch
-        import distributed
-
-        def worker(local_rank, world_size):
-            x = torch.randn(512, 512)
-            print(f"rank {{local_rank}}: {{torch.get_num_threads()}} threads, {{float((x @ x).sum()):.0f}}", flush=True)
-
-        if __name__ == "__main__":
-            torch.randn(512, 512) @ torch.randn(512, 512)  # starts the launcher's OpenMP threads
-            distributed.launch(worker, nprocs=2)
-    '''))
+    script = SCRIPTS / "openmp.py"
     j = job(command=[sys.executable, str(script)], env={"OMP_NUM_THREADS": "2"})
     code, out, err = j.finish(timeout=120)
     assert code == 0, err
@@ -244,6 +240,7 @@ def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_four_jobs_launched_at_once_all_succeed_one_under_a_tmpdir_too_long_for_a_socket(job, tmp_path):
     """Any port two jobs both pick makes one fail here: the rendezvous is a file in each job's own directory.
     One job's TMPDIR is over 80 characters: a forkserver's socket below it would exceed AF_UNIX's 107 bytes."""
@@ -256,6 +253,7 @@ def test_four_jobs_launched_at_once_all_succeed_one_under_a_tmpdir_too_long_for_
     assert all(j.leftovers(within=0) == [] for j in jobs)
 
 
+@pytest.mark.slow
 def test_explicit_master_port_is_used(job):
     port = free_port()
     j = job("wait", "0", "2", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -278,6 +276,7 @@ def test_busy_explicit_master_port_is_a_clear_error(job):
     assert j.leftovers(within=0) == []
 
 
+@pytest.mark.slow
 def test_local_job_listens_on_loopback_only(job):
     j = job("wait", "0", "3")
     j.wait_ready(3)
@@ -333,6 +332,7 @@ def test_nested_function_is_rejected_before_spawning():
         distributed.launch(nested, nprocs=2)
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_is_rejected(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(f"import sys; sys.path.insert(0, {HERE!r})\nimport distributed\n"
@@ -343,6 +343,7 @@ def test_script_without_main_guard_is_rejected(tmp_path):
     assert 'has no `if __name__ == "__main__":` guard' in out.stderr
 
 
+@pytest.mark.slow
 def test_script_read_from_stdin_is_rejected_before_spawning(tmp_path):
     # The worker is importable, but spawn would make every process run "<stdin>" as a file.
     (tmp_path / "stdin_worker.py").write_text("def worker(rank, world):\n    pass\n")
@@ -392,6 +393,7 @@ def assert_same_model(path: Path, reference: dict) -> None:
         assert torch.equal(model[key], reference[key]), f"{key} differs from the spawn run"
 
 
+@pytest.mark.slow
 def test_torchrun_standalone_gives_the_bitwise_same_model(spawn_model, tmp_path):
     path = tmp_path / "model.pt"
     out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", *TRAIN, "--save-model", str(path)],
@@ -401,6 +403,7 @@ def test_torchrun_standalone_gives_the_bitwise_same_model(spawn_model, tmp_path)
     assert_same_model(path, spawn_model)
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path):
     port, path = free_port(), tmp_path / "model.pt"
     agents = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
@@ -420,45 +423,15 @@ def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path
     assert_same_model(path, spawn_model)
 
 
-AT_EXIT = textwrap.dedent('''
-    import atexit, gc, glob, sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    import distributed
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    def gloo_threads():  # registered first, so it runs last at exit: just before the interpreter finalizes
-        names = [open(comm).read().strip() for comm in glob.glob("/proc/self/task/*/comm")]
-        print("gloo threads at exit:", sorted(name for name in names if "gloo" in name), flush=True)
-
-    def worker(local_rank, world_size):
-        distributed.init_process_group(local_rank, world_size)
-        model = torch.nn.Linear(4, 1)
-        ddp, optimizer = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
-        cycle = [ddp]
-        cycle.append(cycle)  # garbage in a reference cycle keeps the model until a collection
-        for _ in range(2):
-            loss = ddp(torch.randn(8, 4)).square().mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        distributed.print_primary("ranks:", distributed.reduce(1).item())
-        distributed.cleanup()  # with the DDP model alive here, as in the module docstring
-
-    if __name__ == "__main__":
-        gc.disable()  # whether a collection happens to run before exit depends on allocations: here none does
-        atexit.register(gloo_threads)
-        distributed.launch(worker)
-''')
 
 
+@pytest.mark.slow
 def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(tmp_path):
     """gloo's threads taking the GIL during shutdown abort a finished job ("terminate called without an active
     exception", seen under torchrun). They end with the group: cleanup() must have it freed before shutdown, though
     torch.distributed.nn's defaults (imported by DDP) and the caller's DDP model, garbage in a cycle, hold it.
     (Freed by DDP's reducer, which holds the GIL, it deadlocks: the docstring example under torchrun shows it.)"""
-    (tmp_path / "at_exit.py").write_text(AT_EXIT.format(repo=HERE))
-    results = finish(start_ranks(["at_exit.py"], tmp_path), timeout=120)
+    results = finish(start_ranks([str(SCRIPTS / "at_exit.py")], tmp_path), timeout=120)
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert "ranks: 2" in results[0][1]
     assert [out.splitlines()[-1] for _, out, _ in results] == ["gloo threads at exit: []"] * 2, results
@@ -483,6 +456,7 @@ def test_an_unreadable_hostlist_asks_for_master_addr(bad):
         distributed._first_host(bad)
 
 
+@pytest.mark.slow
 def test_srun_gives_the_bitwise_same_model(slurm, spawn_model, tmp_path):
     path = tmp_path / "model.pt"
     # -c 1: one thread per task (init_process_group honours SLURM_CPUS_PER_TASK), like launch() here.
@@ -516,6 +490,7 @@ def test_slurm_step_without_a_node_list_names_master_addr_as_the_fix(monkeypatch
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_readme_sbatch_example_runs(slurm, tmp_path):
     readme = Path(HERE, "README.md").read_text()
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S).group(1)
@@ -528,6 +503,7 @@ def test_readme_sbatch_example_runs(slurm, tmp_path):
     assert "mode=slurm world=2" in text and "done: world=2 epochs=2" in text, text
 
 
+@pytest.mark.slow
 def test_sbatch_wrap_without_srun_runs_min_ddp_as_one_process(slurm, tmp_path):
     """`sbatch -n 2 --wrap "python min_ddp.py"` (no srun): the batch step is one process, not rank 0
     of 2, so it trains alone and finishes instead of waiting for a rank 1 that never comes."""
@@ -541,29 +517,14 @@ def test_sbatch_wrap_without_srun_runs_min_ddp_as_one_process(slurm, tmp_path):
 
 
 
-# A rank that prints what it was given: python ranks.py (under srun, salloc or launch()).
-RANKS = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    import distributed
-
-    def worker(local_rank, world_size):
-        distributed.init_process_group(local_rank, world_size, timeout=60)
-        distributed.print_ranked(f"mode={{distributed.launch_mode()}} world={{world_size}} "
-                                 f"threads={{torch.get_num_threads()}}")
-        distributed.cleanup()
-
-    if __name__ == "__main__":
-        distributed.launch(worker)
-''')
 
 
+@pytest.mark.slow
 def test_srun_without_c_gives_each_task_its_share_of_the_cores(slurm, tmp_path):
     """`srun -n 2` without -c lets both tasks use every core: each must take half, as launch() does,
     not all of them (2 x all cores oversubscribes the node; measured 8x slower in bench.py's row)."""
-    (tmp_path / "ranks.py").write_text(RANKS.format(repo=HERE))
-    out = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "ranks.py"], cwd=tmp_path,
+    out = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(SCRIPTS / "ranks.py")],
+                         cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     share = max(len(os.sched_getaffinity(0)) // 2, 1)
@@ -598,6 +559,7 @@ def test_salloc_and_sbatch_steps_are_not_ranks(monkeypatch, step):
     assert distributed.launch_mode() == "single"
 
 
+@pytest.mark.slow
 def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path):
     """`salloc -n 2`, then `python train.py` typed in its shell: on clusters with use_interactive_step
     the shell is itself a job step, and the script must run alone instead of joining a world of srun tasks."""
@@ -606,8 +568,7 @@ def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path)
         pytest.skip("the local cluster has no LaunchParameters=use_interactive_step (bash .ci/slurm up sets it)")
     if not shutil.which("script"):
         pytest.skip("`script` (util-linux) is missing: salloc's interactive step needs a terminal")
-    (tmp_path / "ranks.py").write_text(RANKS.format(repo=HERE))
-    typed = f"echo step=$SLURM_STEP_ID; {sys.executable} ranks.py; exit\n"
+    typed = f"echo step=$SLURM_STEP_ID; {sys.executable} {SCRIPTS / 'ranks.py'}; exit\n"
     # salloc runs the step as `srun ... --pty $SHELL` (InteractiveStepOptions): a login always has SHELL, CI may not.
     env = {**os.environ, "SHELL": os.environ.get("SHELL") or "/bin/sh"}
     out = subprocess.run(["script", "-qec", "salloc -n 2", "/dev/null"], input=typed, cwd=tmp_path, env=env,
@@ -653,29 +614,10 @@ def test_spawned_ranks_keep_gloo_and_nccl_bootstrap_on_loopback(monkeypatch):
     assert "NCCL_SOCKET_IFNAME" not in distributed._spawn_env(1, 2, "file:///tmp/store", 1)  # the user's wins
 
 
-# What a worker sees of the main module: a setting at module level, changed under the main guard.
-SETTINGS = textwrap.dedent('''
-    import os, sys, threading, time
-    sys.path.insert(0, {repo!r})
-    if os.environ.get("WITH_NUMPY"):
-        import numpy                                   # most users' environments: BLAS threads at import
-    import distributed
-
-    max_iters = 40                                     # nanoGPT keeps its config as module globals
-
-    def worker(local_rank, world_size, passed):
-        line = f"rank {{local_rank}}: global max_iters={{max_iters}}, passed max_iters={{passed}}\\n"
-        os.write(1, line.encode())                     # one write: the two ranks' lines never interleave
-
-    if __name__ == "__main__":
-        if os.environ.get("WITH_THREAD"):
-            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-        max_iters = 99                                 # a setting changed here reaches workers as an argument only
-        distributed.launch(worker, max_iters, nprocs=2)
-''')
 HAS_NUMPY = importlib.util.find_spec("numpy") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [
     pytest.param({}, id="plain"),
     pytest.param({"WITH_THREAD": "1"}, id="launcher-with-a-thread"),
@@ -686,8 +628,7 @@ HAS_NUMPY = importlib.util.find_spec("numpy") is not None
 def test_workers_see_the_same_main_module_with_or_without_numpy(tmp_path, env):
     """Workers import the main script afresh (as mp.spawn's do): the main block's changes never reach
     them, whatever the launcher imported. Before, they did only while the launcher was one thread."""
-    (tmp_path / "settings.py").write_text(SETTINGS.format(repo=HERE))
-    out = subprocess.run([sys.executable, "settings.py"], cwd=tmp_path, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(SCRIPTS / "settings.py")], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == [f"rank {r}: global max_iters=40, passed max_iters=99" for r in (0, 1)]
@@ -703,6 +644,7 @@ def short_tmpdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, short_tmpdir):
     """`timeout 60 python train.py`: GNU timeout sends SIGTERM to the launcher, then to its process group.
     The second one interrupted launch()'s cleanup and left its temporary directory behind. Here the
@@ -718,6 +660,7 @@ def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, s
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("timeout"), reason="GNU timeout is missing")
 def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, short_tmpdir):
     j = job(command=["timeout", "-s", "TERM", "4", sys.executable, str(JOB_SCRIPT), "ignore-sigterm", "0", "2"],
@@ -744,6 +687,7 @@ def docstring_example() -> str:
     return textwrap.dedent(distributed.__doc__.split("\n\n", 1)[1].split("\n\nThe same script")[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "torchrun-2"])
 @pytest.mark.parametrize("source, last_line", [
     (readme_snippet, r"epoch 2: val accuracy (0\.9[0-9]+)"), (docstring_example, r"epoch 1: last loss [0-9.]+")],
@@ -821,6 +765,7 @@ def line_of(tmp_path: Path, text: str) -> int:
     return next(n for n, line in enumerate(JOB_SCRIPT.read_text().splitlines(), 1) if text in line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour, stuck_at", [("spin", "in spin <- job.py:{} in worker"),
                                                  ("read", "in worker")], ids=["python-loop", "blocked-in-c"])
 def test_a_hung_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective(job, tmp_path, behaviour,
@@ -844,6 +789,7 @@ def test_a_hung_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collec
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_collective_on_the_primary_alone_is_named_as_such(job, tmp_path):
     """The rank-0-only evaluation: rank 0 waits in reduce under `if is_primary():`, rank 1 in barrier."""
     j = job("primary-only", "0", "2", "3")
@@ -856,6 +802,7 @@ def test_a_collective_on_the_primary_alone_is_named_as_such(job, tmp_path):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_sigabrt_is_placed_by_the_stacks_it_left(job, tmp_path):
     """NCCL's watchdog kills a rank with SIGABRT: faulthandler writes its stacks as it dies, so the report
     places it instead of only naming the signal."""
@@ -867,6 +814,7 @@ def test_a_rank_killed_by_sigabrt_is_placed_by_the_stacks_it_left(job, tmp_path)
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_the_hang_report_finds_ranks_waiting_in_any_collective_of_a_gloo_job(job, tmp_path):
     """Rank 1 sleeps; rank 0 waits in a Checkpointer's step() (its stop check's all-reduce), rank 2 in
     torch.distributed.all_reduce called directly: each is "waiting", at the user's own line. The launcher
@@ -881,6 +829,7 @@ def test_the_hang_report_finds_ranks_waiting_in_any_collective_of_a_gloo_job(job
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_sigsegv_is_reported_with_its_line(job, tmp_path):
     """A crash in C code (a driver, an extension): faulthandler writes the rank's stack as it dies; the report
     names the signal and the user's line, and keeps the whole dump in a file it names (the job's directory is
@@ -895,6 +844,7 @@ def test_a_rank_killed_by_sigsegv_is_reported_with_its_line(job, tmp_path):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_a_rank_whose_peer_finished_early_says_so(job):
     """gloo's "Connection closed by peer" explains nothing: the report says which rank had finished."""
     j = job("leave", "1", "2")
@@ -904,6 +854,7 @@ def test_a_rank_whose_peer_finished_early_says_so(job):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
 def test_under_torchrun_kill_quit_prints_a_ranks_stack_and_it_keeps_running(job):
     """No launcher of ours collects stacks there: `kill -QUIT <pid>` on a rank shows where it is."""
     j = job(command=["torchrun", "--standalone", "--nproc_per_node=2", str(JOB_SCRIPT), "wait", "0", "2"])

@@ -1,6 +1,6 @@
 """Proof of the example: every DDP line of min_ddp.py, against a plain 1-process loop written here.
 
-min_ddp.py runs as a command (harness.MIN_DDP_DRIVER: float64 as torch's default dtype, 2048 training
+min_ddp.py runs as a command (rank_scripts/min_ddp_driver.py: float64 as torch's default dtype, 2048 training
 samples) through launch(), and the reference below shares no code with it but the dataset. It reads the
 data as DistributedSampler promises: a new permutation from seed + epoch every epoch, padded to a multiple
 of the world size, rank r taking every world-th index, each global step the union of every rank's next
@@ -11,7 +11,13 @@ big batch; a wiring bug is >= 1e-3); printed metrics within their 4 printed deci
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -20,7 +26,8 @@ import torch.nn.functional as F
 
 import distributed
 import min_ddp
-from harness import one_thread, run_min_ddp
+import min_ddp_cli
+from harness import HERE, default_sigint, leftover_processes, one_thread, run_min_ddp, run_script, without_numpy
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
@@ -104,6 +111,7 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, batch, accum, log_every", RUNS)
 def test_min_ddp_training_equals_a_one_process_loop_over_the_same_global_batches(runs, world, batch, accum,
                                                                                  log_every):
@@ -118,6 +126,7 @@ def test_min_ddp_training_equals_a_one_process_loop_over_the_same_global_batches
                                    msg=lambda m: f"{key}: min_ddp at world {world} != the 1-process loop\n{m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, batch, accum, log_every", RUNS)
 def test_min_ddp_prints_every_ranks_and_the_global_metrics_of_each_interval(runs, world, batch, accum, log_every):
     """Each [rank k] line is that rank's loss and accuracy over its batches since the last line; each
@@ -135,6 +144,7 @@ def test_min_ddp_prints_every_ranks_and_the_global_metrics_of_each_interval(runs
         assert (int(block[-1][5]), int(block[-1][6])) == (correct, samples)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, batch, accum, log_every", [RUNS[0], RUNS[-1]])
 def test_min_ddp_prints_the_validation_of_a_one_process_evaluation_exactly(runs, world, batch, accum, log_every):
     """4096 validation samples over 3 ranks do not divide: padded duplicates would count 4098."""
@@ -150,6 +160,7 @@ def test_min_ddp_prints_the_validation_of_a_one_process_evaluation_exactly(runs,
     assert line.groups() == (f"{loss:.4f}", f"{correct / len(y):.4f}", str(correct), str(len(y)))
 
 
+@pytest.mark.slow
 def test_reference_loop_sees_a_missing_reshuffle(runs):
     """The control: the same epochs in one fixed order land far from min_ddp's model, so the test
     above would catch an epoch loop that forgot set_epoch."""
@@ -157,3 +168,173 @@ def test_reference_loop_sees_a_missing_reshuffle(runs):
     model, _ = reference(*RUNS[0], reshuffle=False)
     gap = max((state[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert gap > 1e-3, f"one fixed order should differ from a reshuffle each epoch (max gap {gap})"
+
+
+@pytest.mark.slow
+def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
+    marker = f"DDP_TEST_MARKER={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("mode=spawn world=2 backend=gloo allreduce=shared-memory device=cpu")
+    assert any(line.startswith("[rank 0] epoch 1 step 64/128") for line in lines)
+    assert any(line.startswith("[rank 1] epoch 1 step 64/128") for line in lines)
+    assert any(line.startswith("[global] epoch 1 step 64/128") for line in lines)
+    done = dict(kv.split("=") for kv in lines[-1].removeprefix("done: ").split())
+    assert lines[-1].startswith("done: ") and done["world"] == "2" and done["epochs"] == "2"
+    # Both count every rank's training samples: the run's rate, a little later than the last epoch's line.
+    last_epoch_rate = float(re.findall(r"\| (\d+) samples/s", out.stdout)[-1])
+    assert float(done["val_acc"]) >= 0.90 and 0.5 * last_epoch_rate <= float(done["samples_per_s"]) <= last_epoch_rate
+    assert {"train_loss", "val_loss"} <= done.keys()
+    assert "NumPy" not in out.stderr, out.stderr  # torch's notice that numpy is missing, in any process
+    assert leftover_processes(marker) == []
+
+
+
+@pytest.mark.slow
+def test_min_ddp_saves_and_resumes_on_two_processes_without_numpy(tmp_path):
+    """The quick start with --snapshot, in interpreters where numpy cannot be imported: every
+    collective (the shared-memory set-up, save_checkpoint, the metrics) must travel as tensors."""
+    env = without_numpy(tmp_path)
+    check = run_script(["-c", "import numpy"], env=env)
+    assert check.returncode != 0, "the sitecustomize must hide numpy"
+    snapshot = tmp_path / "s.pt"
+    flags = ["--nprocs", "2", "--snapshot", str(snapshot), "--log-every", "8"]
+    first = run_min_ddp(tmp_path, *flags, "--epochs", "1", TRAIN_SIZE="2048", **env)
+    assert first.returncode == 0, first.stderr
+    assert "allreduce=shared-memory" in first.stdout and "done: world=2 epochs=1" in first.stdout
+    second = run_min_ddp(tmp_path, *flags, "--epochs", "2", TRAIN_SIZE="2048", **env)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {snapshot} after 1 epoch(s)" in second.stdout
+    assert "epoch 2/2" in second.stdout and "done: world=2 epochs=2" in second.stdout
+
+
+
+@pytest.mark.parametrize("flag, value", [("--batch-size", "0"), ("--epochs", "-1"), ("--nprocs", "0"),
+                                         ("--lr", "0"), ("--timeout", "0"), ("--train-size", "0")])
+def test_min_ddp_rejects_non_positive_settings(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"got: {value}" in err and flag in err, err
+
+
+
+@pytest.mark.parametrize("nprocs, gpus, refused", [(2, 1, True), (4, 2, True), (2, 2, False), (None, 1, False),
+                                                   (2, 0, False)])
+def test_min_ddp_more_processes_than_gpus_is_one_line_naming_both_ways_out(nprocs, gpus, refused):
+    """On a 1-GPU machine `--nprocs 2` was a ValueError traceback from launch(); parse_args says it in one line."""
+    problem = min_ddp_cli.too_many_processes(nprocs, gpus)
+    assert (problem is not None) == refused
+    assert not refused or (f"--nprocs {nprocs} but {gpus} GPU(s) are visible" in problem and "`python min_ddp.py`"
+                           in problem and f"`CUDA_VISIBLE_DEVICES= python min_ddp.py --nprocs {nprocs}`" in problem)
+
+
+
+def test_min_ddp_config_file_and_flags_override(tmp_path):
+    config = tmp_path / "cfg.json"
+    config.write_text('{"epochs": 3, "lr": 0.5, "batch_size": 16}')
+    args = min_ddp_cli.parse_args(["--config", str(config), "--lr", "0.25"])
+    assert (args.epochs, args.lr, args.batch_size) == (3, 0.25, 16)
+
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"epoch": 3}', "--config {}: expected a JSON object whose keys are among: nprocs, epochs, batch_size,"),
+    ('[3]', "--config {}: expected a JSON object whose keys are among: nprocs, epochs, batch_size,"),
+    ('{"lr": ', "--config {}: Expecting value: line 1 column 8"),
+    ('{"lr": "fast"}', "argument --lr: invalid float value: 'fast'"),
+    ('{"epochs": 0}', "--epochs must be > 0, got: 0"),
+])
+def test_min_ddp_config_errors_name_the_file_or_the_flag(tmp_path, capsys, content, message):
+    config = tmp_path / "cfg.json"
+    config.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(config) in err.strip().splitlines()[-1], err  # one line
+
+
+
+def test_min_ddp_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        min_ddp_cli.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "per process (default: 64)" in help_text and "(default: 0.01)" in help_text
+
+
+
+@pytest.mark.slow
+def test_min_ddp_settings_it_cannot_use_are_one_line_without_a_traceback(tmp_path):
+    """A batch larger than a rank's share: the launcher re-raises the rank's SettingsError as itself (a class
+    from the script), and min_ddp prints it in one line (a refused resume: test_snapshot.py). A snapshot that
+    has every epoch already reports its model and no speed."""
+    too_big = run_min_ddp(tmp_path, "--nprocs", "2", "--batch-size", "1025", TRAIN_SIZE="2048")
+    assert too_big.returncode == 1 and "Traceback" not in too_big.stderr, too_big.stderr
+    assert too_big.stderr.strip().splitlines()[-1].startswith("min_ddp: --batch-size 1025 is more than each "
+                                                               "process's share of the training data (1024 samples")
+    snapshot = str(tmp_path / "s.pt")
+    assert run_min_ddp(tmp_path, "--epochs", "1", "--snapshot", snapshot, TRAIN_SIZE="2048").returncode == 0
+    nothing_left = run_min_ddp(tmp_path, "--epochs", "1", "--snapshot", snapshot, TRAIN_SIZE="2048")
+    done = nothing_left.stdout.splitlines()[-1]
+    assert done.startswith("done: world=1 epochs=1") and "samples_per_s" not in done, nothing_left.stdout
+
+
+
+@pytest.mark.slow
+def test_min_ddp_ctrl_c_is_one_line_and_exit_code_130():
+    proc = subprocess.Popen([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
+    try:
+        assert proc.stdout.readline().startswith("mode=spawn")  # the workers are training
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "min_ddp: interrupted\n", err
+
+
+
+def test_min_ddp_print_config_writes_a_config_that_reads_back_as_the_same_settings(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args(["--print-config", "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
+    assert exit_.value.code == 0
+    config = tmp_path / "cfg.json"
+    config.write_text(capsys.readouterr().out)
+    assert min_ddp_cli.parse_args(["--config", str(config)]) == min_ddp_cli.parse_args(
+        ["--config", str(config), "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
+    assert json.loads(config.read_text())["epochs"] == 3
+
+
+
+def test_min_ddp_checks_a_config_files_values_as_flags(tmp_path, capsys):
+    config = tmp_path / "cfg.json"
+    config.write_text('{"lr": -1}')
+    with pytest.raises(SystemExit):
+        min_ddp_cli.parse_args(["--config", str(config)])
+    assert "--lr must be > 0, got: -1.0" in capsys.readouterr().err  # checked as the flag would be
+
+
+
+@pytest.mark.parametrize("source", ["flag", "config"])
+@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
+def test_min_ddp_refuses_an_unwritable_output_path_before_training(tmp_path, capsys, flag, source):
+    path = str(tmp_path / "no" / "such" / "out.pt")
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({flag[2:].replace("-", "_"): path}))
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args([flag, path] if source == "flag" else ["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {path} is a directory, or {os.path.dirname(path)} is missing or read-only" in err, err
+
+
+
+@pytest.mark.parametrize("flag", ["--snapshot", "--save-model"])
+def test_min_ddp_refuses_a_directory_as_an_output_file_before_training(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_:
+        min_ddp_cli.parse_args([flag, str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {tmp_path} is a directory, or" in capsys.readouterr().err

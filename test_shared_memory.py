@@ -14,7 +14,6 @@ from __future__ import annotations
 import glob
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,52 +21,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import HERE, build_model, cannot_run, examples, finish, start_ranks, task_train
+from harness import SCRIPTS, build_model, cannot_run, examples, finish, start_ranks, task_train
 from shared_memory_allreduce import shared_memory_allreduce
 
-# python shm_job.py BEHAVIOUR WIDTH: under RANK/WORLD_SIZE env (started by the test like torchrun
-# would) the worker runs here; without, launch() starts 2 processes.
-JOB = textwrap.dedent('''
-    import os, sys, time
-    sys.path.insert(0, {repo!r})
-    import torch
-    import distributed as dist
-    from shared_memory_allreduce import shared_memory_allreduce
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    def local_grad(rank, width):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(width, 8)
-        torch.manual_seed(rank)
-        model(torch.randn(4, width)).square().sum().backward()
-        return model.weight.grad
-
-    def worker(local_rank, world_size, behaviour, width):
-        dist.init_process_group(local_rank, world_size, timeout=60)
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Linear(width, 8))
-        hooked = shared_memory_allreduce(model, timeout=1.0)
-        rank = dist.get_rank()
-        print(f"rank {{rank}} hooked={{hooked}}", flush=True)
-        if rank == 1 and behaviour == "die":
-            os._exit(3)
-        if rank == 1 and behaviour == "stall":
-            time.sleep(60)
-        torch.manual_seed(rank)
-        model(torch.randn(4, width)).square().sum().backward()
-        grads = dist.all_gather(model.module.weight.grad)
-        mean = local_grad(0, width) / 2 + local_grad(1, width) / 2  # what DDP's gloo all-reduce gives
-        print(f"rank {{rank}} exact={{torch.equal(grads[rank], mean)}} "
-              f"replicas_equal={{torch.equal(grads[0], grads[1])}}", flush=True)
-        dist.cleanup()
-
-    if __name__ == "__main__":
-        behaviour, width = sys.argv[1], int(sys.argv[2])
-        if "RANK" in os.environ:
-            worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), behaviour, width)
-        else:
-            dist.launch(worker, behaviour, width, nprocs=2)
-''')
 
 # Runs the rest of the command with its own, empty /dev/shm of the given size.
 PRIVATE_SHM = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs /dev/shm && exec "$@"']
@@ -83,9 +39,7 @@ def our_shm_files() -> set[str]:
 
 
 def job_script(tmp_path: Path) -> Path:
-    script = tmp_path / "shm_job.py"
-    script.write_text(JOB.format(repo=HERE))
-    return script
+    return SCRIPTS / "shm_job.py"
 
 
 def job_ranks(tmp_path: Path, behaviour: str, width: int, prefixes: list | None = None) -> list:
@@ -98,6 +52,7 @@ def job_ranks(tmp_path: Path, behaviour: str, width: int, prefixes: list | None 
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(30))
 @given(kind=st.sampled_from(["mlp", "conv", "lm"]), width=st.integers(2, 6), batch=st.integers(1, 4),
        steps=st.integers(1, 4), optim=st.sampled_from(["sgd", "momentum", "adam"]),
@@ -118,6 +73,7 @@ def test_two_rank_shared_memory_training_is_bitwise_gloo_training(pools, kind, w
     assert (shm[0]["params"][0] - initial).abs().max() > 1e-6, "the step must change the model"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_more_ranks_give_gloos_mean_to_rounding_and_bitwise_equal_replicas(pools, world):
     """One bucket per parameter, and a bias of 2 elements: some ranks own an empty chunk. The sum runs
@@ -143,6 +99,7 @@ def test_a_model_that_is_not_ddp_is_rejected_naming_its_type():
         shared_memory_allreduce(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
     before = our_shm_files()
     [(code, out, err)] = finish([subprocess.Popen([sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)],
@@ -159,6 +116,7 @@ def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dead_peer_is_named_within_seconds_instead_of_a_hang(tmp_path):
     before = our_shm_files()
     procs = job_ranks(tmp_path, "die", 8)
@@ -169,6 +127,7 @@ def test_dead_peer_is_named_within_seconds_instead_of_a_hang(tmp_path):
     assert our_shm_files() <= before, "nothing left in /dev/shm after a crash"
 
 
+@pytest.mark.slow
 def test_stalled_peer_fails_after_the_timeout_naming_it(tmp_path):
     procs = job_ranks(tmp_path, "stall", 8)
     try:
@@ -185,6 +144,7 @@ def test_stalled_peer_fails_after_the_timeout_naming_it(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_private_shm
 def test_ranks_that_do_not_share_dev_shm_keep_gloo(tmp_path):
     """Rank 1 sees another /dev/shm, as on another host or in another container."""
@@ -194,6 +154,7 @@ def test_ranks_that_do_not_share_dev_shm_keep_gloo(tmp_path):
         assert f"rank {rank} hooked=False" in out and "exact=True replicas_equal=True" in out, out
 
 
+@pytest.mark.slow
 @needs_private_shm
 def test_a_dev_shm_too_small_for_the_gradients_keeps_gloo(tmp_path):
     command = [*PRIVATE_SHM, "64k", sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)]

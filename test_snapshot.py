@@ -1,6 +1,6 @@
 """Snapshots that never lose work: atomic save, weights-only load, bitwise resume, restarts.
 
-Resume tests run min_ddp.py as a command (harness.MIN_DDP_DRIVER; the mid-epoch stops are in
+Resume tests run min_ddp.py as a command (rank_scripts/min_ddp_driver.py; the mid-epoch stops are in
 test_stop.py); the restart test uses real torchrun with --max-restarts; the crash test kills a real
 saving process with SIGKILL at 100 random points.
 """
@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import distributed
-from harness import (HERE, build_model, cannot_run, min_ddp_driver, run_min_ddp, run_script, task_save_ddp_state,
-                      task_save_expecting_error)
+from harness import (HERE, MIN_DDP, assert_bitwise_equal, build_model, cannot_run, run_min_ddp, run_script,
+                      task_save_ddp_state, task_save_expecting_error)
+
+pytestmark = pytest.mark.slow  # every test here but a few starts processes of its own
 
 EPOCHS = 3
 SETTINGS = {"FLOAT64": "1", "TRAIN_SIZE": "2048"}  # float64: a resume at another world size compares to 1e-9
@@ -34,21 +36,6 @@ def train(tmp_path: Path, world: int, epochs: int, *flags: str) -> subprocess.Co
                       str(epochs), "--batch-size", str(128 // world), *flags, **SETTINGS)
     assert out.returncode == 0, out.stderr
     return out
-
-
-def assert_bitwise_equal(a, b, where: str = "state") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where} keys differ"
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where} lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +127,7 @@ def test_torchrun_restart_resumes_from_the_snapshot_bitwise(straight, tmp_path):
     flags = ["--log-every", "50", "--seed", "5", "--epochs", str(EPOCHS), "--batch-size", "64",
              "--snapshot", str(tmp_path / "snap.pt")]
     out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                          min_ddp_driver(tmp_path), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, **SETTINGS, "CRASH_AT": "1:20"})  # rank 1 after step 20: in epoch 2 (16 steps each)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "after 1 epoch(s)" in out.stdout, "the restart must resume"
@@ -228,7 +215,6 @@ def test_unloadable_state_is_refused_at_save_time(tmp_path):
     with pytest.raises(TypeError, match=r"state\['args'\] is a Namespace"):
         distributed.save_checkpoint({"args": argparse.Namespace(lr=1)}, tmp_path / "x.pt")
     assert not (tmp_path / "x.pt").exists()
-
 
 
 # ---------------------------------------------------------------------------------------------

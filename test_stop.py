@@ -2,7 +2,7 @@
 
 A stop is exact when the resumed run ends with a model bitwise equal to an uninterrupted run's: the
 same steps on the same batches, from the same state. The signals are real: a driver script runs
-min_ddp (harness.MIN_DDP_DRIVER) and, at the optimizer step a test chooses, one rank sends a signal to
+min_ddp (rank_scripts/min_ddp_driver.py) and, at the optimizer step a test chooses, one rank sends a signal to
 itself (``STOP_AT``), as a scheduler's signal reaching one process of a job would. A loop of a user's own
 (no epochs, no sampler) and a snapshot that only some ranks see use the Checkpointer directly.
 """
@@ -24,13 +24,13 @@ from typing import Callable
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import checkpointer
 import distributed
-from harness import HERE, examples, finish, min_ddp_driver, run_min_ddp, start_ranks, task_sampler_skip, wait_for_job
-from test_snapshot import assert_bitwise_equal
+from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run_min_ddp, start_ranks,
+                     wait_for_job)
+
+pytestmark = pytest.mark.slow  # every test here but a few starts processes of its own
 
 # 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
 FLAGS = ["--nprocs", "2", "--epochs", "2", "--batch-size", "64", "--seed", "3", "--log-every", "5",
@@ -44,7 +44,7 @@ def run(tmp_path: Path, *flags: str, stop_at: str = "", timeout: float = 180) ->
 
 
 def driver_command(tmp_path: Path, *flags: str) -> list[str]:
-    return [sys.executable, min_ddp_driver(tmp_path), *flags]
+    return [sys.executable, str(MIN_DDP), *flags]
 
 
 @pytest.fixture(scope="module")
@@ -148,57 +148,11 @@ def test_without_snapshot_a_stop_still_ends_every_rank_at_one_step(tmp_path):
     assert "stopped by SIGUSR2 after step 2 of epoch 1; not saved (no snapshot path)" in out.stdout
 
 
-# A user's own loop as nanoGPT writes it: no epochs, no sampler, random batches from each rank's RNG,
-# an iteration counter and the best loss so far; rank 1 signals itself before step STOP (0: never).
-OWN_LOOP = textwrap.dedent('''
-    import os, signal, sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    import checkpointer
-    import distributed
-
-    def worker(local_rank, world_size, path, out, stop):
-        distributed.init_process_group(local_rank, world_size)
-        torch.manual_seed(1337 + distributed.get_rank())  # nanoGPT: each rank draws its own batches
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-        state = {{"best_loss": float("inf"), "loss_sum": 0.0, "losses": torch.zeros(3, dtype=torch.float64),
-                 "scheduler": scheduler}}
-        try:
-            ckpt = checkpointer.Checkpointer(path, model, optimizer, state=state, check_every=1)
-            ddp = DDP(model)
-            while ckpt.steps < 30:
-                x = torch.randn(16, 8, dtype=torch.float64)
-                loss = F.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-                mean = distributed.reduce(loss.detach(), "mean").item()
-                state["best_loss"], state["loss_sum"] = min(state["best_loss"], mean), state["loss_sum"] + mean
-                state["losses"] = torch.cat([state["losses"][1:], loss.detach().view(1)])
-                if ckpt.steps + 1 == stop and distributed.get_rank() == 1:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-                ckpt.step()
-            distributed.save_checkpoint({{"model": model.state_dict(), "best": state["best_loss"],
-                                         "sum": state["loss_sum"], "losses": state["losses"]}}, out)
-        finally:
-            distributed.cleanup()
-
-    if __name__ == "__main__":
-        distributed.launch(worker, sys.argv[1], sys.argv[2], int(sys.argv[3]), nprocs=2)
-''')
-
-
 def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(tmp_path):
     """The Checkpointer in a loop of the user's own: the model, AdamW's state, each rank's RNG (its next
     random batch) and the user's state (the best loss, their sum, the last 3, the LR scheduler's position)
     come back; the result is bitwise the uninterrupted run's."""
-    script = tmp_path / "own_loop.py"
-    script.write_text(OWN_LOOP.format(repo=HERE))
+    script = SCRIPTS / "own_loop.py"
     command = lambda path, out, stop: subprocess.run([sys.executable, str(script), str(tmp_path / path),  # noqa: E731
                                                      str(tmp_path / out), str(stop)], capture_output=True,
                                                     text=True, timeout=120)
@@ -214,36 +168,11 @@ def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(
     assert_bitwise_equal(got["model"], expected["model"], "final model")
 
 
-NODE_LOCAL = textwrap.dedent('''
-    import os, sys
-    sys.path.insert(0, {repo!r})
-    import torch
-    import checkpointer
-    import distributed
-
-    def worker(local_rank, world_size, directory):
-        distributed.init_process_group(local_rank, world_size)
-        model = torch.nn.Linear(2, 1)
-        path = os.path.join(directory, f"node{{distributed.get_rank()}}", "snap.pt")  # each rank's local disk
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            ckpt = checkpointer.Checkpointer(path, model, check_every=1)
-            ckpt.step()
-            ckpt.save()
-        finally:
-            distributed.cleanup()
-
-    if __name__ == "__main__":
-        distributed.launch(worker, sys.argv[1], nprocs=int(sys.argv[2]))
-''')
-
-
 def test_a_snapshot_that_only_some_ranks_see_fails_every_rank_naming_a_shared_file_system(tmp_path):
     """Rank 0's node has the snapshot and rank 1's does not (node-local disks): resuming one and starting
     the other fresh would drift silently, so every rank fails, saying where the snapshot must be. The ranks are
     started by hand: a launcher would stop the second rank to fail before it could show its own error."""
-    script = tmp_path / "node_local.py"
-    script.write_text(NODE_LOCAL.format(repo=HERE))
+    script = SCRIPTS / "node_local.py"
     one = subprocess.run([sys.executable, str(script), str(tmp_path), "1"], capture_output=True, text=True, timeout=60)
     assert one.returncode == 0 and (tmp_path / "node0" / "snap.pt").exists(), one.stderr
     for rank, (code, _, err) in enumerate(finish(start_ranks([str(script), str(tmp_path), "2"], tmp_path))):
@@ -288,66 +217,18 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> st
     raise TimeoutError(f"no line with {text!r} within {timeout} s")
 
 
-SLOW_SAVE = textwrap.dedent('''
-    import sys, time
-    sys.path.insert(0, {repo!r})
-    import torch
-    import checkpointer
-    import distributed
-
-    def worker(local_rank, world_size, path):
-        distributed.init_process_group(local_rank, world_size)
-        distributed.save_checkpoint({{"version": 1}}, path)
-        checkpointer.handle_stop_signals()
-        distributed.barrier()  # every rank's handlers are in place before the test signals
-        print("saved version 1", flush=True)
-        while not checkpointer.stop_requested():
-            time.sleep(0.05)
-        save = torch.save
-        torch.save = lambda *a, **k: (save(*a, **k), time.sleep(60))  # a save slower than the grace
-        distributed.save_checkpoint({{"version": 2}}, path)
-
-    if __name__ == "__main__":
-        distributed.launch(worker, sys.argv[1], nprocs=2, grace=1.0)
-''')
-
-
 def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole(tmp_path):
-    script, path = tmp_path / "slow.py", tmp_path / "snap.pt"
-    script.write_text(SLOW_SAVE.format(repo=HERE))
+    script, path = SCRIPTS / "slow_save.py", tmp_path / "snap.pt"
     code, out, err = signal_once_printed([sys.executable, str(script), str(path)], tmp_path, "saved version 1",
                                          lambda pid: os.kill(pid, signal.SIGUSR1), timeout=30)  # grace 1 s, save 60 s
     assert code == -signal.SIGUSR1, err
     assert distributed.load_checkpoint(path) == {"version": 1}
 
 
-FAILS_AFTER_STOP = textwrap.dedent('''
-    import sys, time
-    sys.path.insert(0, {repo!r})
-    import checkpointer
-    import distributed
-
-    def worker(local_rank, world_size):
-        distributed.init_process_group(local_rank, world_size)
-        checkpointer.handle_stop_signals()
-        distributed.barrier()  # every rank's handlers are in place before the test signals
-        distributed.print_primary("ready")
-        while not checkpointer.stop_requested():
-            time.sleep(0.05)
-        if distributed.get_rank() == 1:  # saving after the stop fails
-            raise OSError(28, "No space left on device")
-        raise checkpointer.Stopped(143)  # rank 0 saved and stops as asked
-
-    if __name__ == "__main__":
-        distributed.launch(worker, nprocs=2)
-''')
-
-
 def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(tmp_path):
     """SIGTERM to the launcher, then rank 1 fails to save: the launcher reports rank 1's OSError and exits 1,
     instead of dying of SIGTERM in silence while the user believes the snapshot was written."""
-    script = tmp_path / "fails.py"
-    script.write_text(FAILS_AFTER_STOP.format(repo=HERE))
+    script = SCRIPTS / "fails_after_stop.py"
     code, out, err = signal_once_printed([sys.executable, str(script)], tmp_path, "ready",
                                          lambda pid: os.kill(pid, signal.SIGTERM))
     assert code == 1, err
@@ -366,11 +247,11 @@ def test_torchrun_agent_forwards_sigterm_and_usr1_when_asked_and_the_workers_sav
     usr1 = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
     for line, signum, agent_flags in [("[global] epoch 1 step 2/16", signal.SIGTERM, []),
                                       ("[global] epoch 2 step 2/16", signal.SIGUSR1, [usr1])]:
-        code, out, err = signal_once_printed([*torchrun, *agent_flags, min_ddp_driver(tmp_path), *flags, "--log-every",
+        code, out, err = signal_once_printed([*torchrun, *agent_flags, str(MIN_DDP), *flags, "--log-every",
                                               "1"], tmp_path, line, lambda pid: os.kill(pid, signum))
         assert f"stopped by {signum.name}" in out, out + err
         assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
-    out = subprocess.run([*torchrun, min_ddp_driver(tmp_path), *flags], cwd=tmp_path, capture_output=True, text=True,
+    out = subprocess.run([*torchrun, str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True,
                          timeout=180, env={**os.environ, **SETTINGS})
     assert out.returncode == 0, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
@@ -554,27 +435,6 @@ def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
-@settings(max_examples=examples(10), deadline=None)
-@given(n=st.integers(1, 40), world=st.sampled_from([1, 2]), shuffle=st.booleans(), pad=st.booleans(),
-       seed=st.integers(0, 3), epoch=st.integers(0, 3), batch=st.integers(1, 5), data=st.data())
-def test_set_epoch_skip_continues_the_same_order_and_never_loads_the_skipped(pools, n, world, shuffle, pad, seed,
-                                                                                epoch, batch, data):
-    share = -(-n // world) if pad else n // world  # the smallest rank's share
-    skip = data.draw(st.integers(0, share), label="skip")
-    spec = {"n": n, "shuffle": shuffle, "pad": pad, "seed": seed, "epoch": epoch, "skip": skip, "batch": batch}
-    if pad and n < world:
-        return  # data_sampler refuses it (tested elsewhere)
-    for rank, got in enumerate(pools.run(world, task_sampler_skip, spec)):
-        assert got["resumed"] == got["whole"][skip:], f"rank {rank}: not the rest of the same order"
-        assert got["len"] == len(got["whole"]) - skip
-        assert got["loaded"] == got["resumed"], f"rank {rank}: loaded {got['loaded']}, a skipped sample among them"
-        assert got["next_len"] == len(got["whole"]), "the next set_epoch must start whole"
-
-
-def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
-    sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
-    with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):
-        sampler.set_epoch(0, skip=11)
 
 
 def test_checkpointer_py_reads_only_public_names_and_distributed_py_not_it():

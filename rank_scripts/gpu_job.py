@@ -1,0 +1,57 @@
+"""Every helper with CUDA and CPU tensors, then BEHAVIOUR (test_gpu.py): python gpu_job.py BACKEND SNAPSHOT [BEHAVIOUR]."""
+import os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import checkpointer
+import distributed
+
+def check(got, expected, device):
+    assert got.device == device, (got.device, device)
+    assert torch.equal(got.cpu(), expected), (got, expected)
+
+def worker(local_rank, world_size, backend, snapshot, behaviour):
+    device = distributed.init_process_group(local_rank, world_size, backend=backend, timeout=20)
+    assert device.type == "cuda" and torch.distributed.get_backend() in (backend, "undefined"), device
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    for where in (device, torch.device("cpu")):
+        check(distributed.reduce(torch.tensor([rank + 1.0], device=where)),
+              torch.tensor([world * (world + 1) / 2]), where)
+        check(distributed.reduce(torch.tensor(rank, device=where), "mean"),
+              torch.tensor((world - 1) / 2, dtype=torch.float64), where)
+        check(distributed.reduce(torch.tensor(True, device=where)), torch.tensor(world), where)
+        check(distributed.reduce(torch.tensor(rank, dtype=torch.int16, device=where), "max"),
+              torch.tensor(world - 1, dtype=torch.int16), where)
+        check(distributed.all_gather(torch.tensor([rank, -rank], device=where)),
+              torch.tensor([[r, -r] for r in range(world)]), where)
+    distributed.print_ranked(f"on {device}")
+    state = {"weights": torch.full((3,), float(rank), device=device), "steps": torch.arange(3),
+             "rng": torch.get_rng_state()}
+    distributed.save_checkpoint(state, snapshot)
+    loaded = distributed.load_checkpoint(snapshot)
+    check(loaded["weights"], torch.zeros(3), device)   # the primary's, mapped to this rank's GPU
+    check(loaded["steps"], torch.arange(3), device)
+    torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
+    model, kept = torch.nn.Linear(2, 1).to(device), {"cpu": torch.ones(2), "gpu": torch.ones(2, device=device)}
+    checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
+    kept = {"cpu": torch.zeros(2), "gpu": torch.zeros(2, device=device)}
+    checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
+    check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
+    check(kept["gpu"], torch.ones(2), device)
+    if behaviour == "raise" and rank == 1:
+        time.sleep(0.5)                                  # rank 0 waits in the reduce below
+        torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight
+        raise ValueError("root cause on rank 1")
+    if behaviour == "hang" and rank == 1:
+        time.sleep(3600)
+    distributed.reduce(torch.ones(1, device=device)).item()
+    distributed.print_primary("job ok")
+    distributed.cleanup()
+
+def main(local_rank, world_size, backend, snapshot, behaviour):
+    try:
+        worker(local_rank, world_size, backend, snapshot, behaviour)
+    finally:
+        distributed.cleanup()                            # as the example does: must not hide the error
+
+if __name__ == "__main__":
+    distributed.launch(main, sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ok")

@@ -1,0 +1,23 @@
+"""min_ddp.py run as a command with the suite's settings (harness.run_min_ddp): python min_ddp_driver.py FLAGS.
+
+min_ddp.py run as a command (`python min_ddp.py FLAGS`), with the suite's settings. It adds
+`--train-size $TRAIN_SIZE` (fewer samples) and puts min_ddp_hooks/ on PYTHONPATH as sitecustomize, which
+every Python process of the run (the launcher, its forkserver whose forks are the ranks, torchrun's and
+srun's workers) imports first: FLOAT64=1 (torch's default dtype, so the data and the model: tight tolerances),
+and STOP_AT="rank:step:SIGNAL[:late],...": after its step-th optimizer step of this run, that rank signals
+itself; ":late" sends it 0.3 s later while every other rank sleeps 0.6 s, so the signal lands while this rank
+waits inside the next step's gradient all-reduce.
+START_METHOD: multiprocessing's default start method inside each rank (forkserver: Python 3.14's).
+CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
+SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
+training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
+"""
+import os
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+repo = os.path.dirname(here)
+path = os.pathsep.join(p for p in (os.path.join(here, "min_ddp_hooks"), repo, os.environ.get("PYTHONPATH")) if p)
+size = ["--train-size", os.environ["TRAIN_SIZE"]] if os.environ.get("TRAIN_SIZE") else []
+os.execve(sys.executable, [sys.executable, os.path.join(repo, "min_ddp.py"), *sys.argv[1:], *size],
+          {**os.environ, "PYTHONPATH": path})

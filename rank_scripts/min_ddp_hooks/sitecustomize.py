@@ -1,0 +1,42 @@
+"""The suite's hooks in every Python process of a min_ddp run (see min_ddp_driver.py): FLOAT64, STOP_AT,
+START_METHOD, CRASH_AT, SLOW_FIRST_RUN."""
+import multiprocessing, os, runpy, signal, sys, threading, time, warnings
+here = os.path.dirname(os.path.abspath(__file__))
+for entry in sys.path:  # a sitecustomize later on the path (the no-numpy tests') still runs
+    if entry and os.path.abspath(entry) != here and os.path.isfile(os.path.join(entry, "sitecustomize.py")):
+        runpy.run_path(os.path.join(entry, "sitecustomize.py"))
+        break
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
+import torch
+import distributed
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+if os.environ.get("FLOAT64"):
+    torch.set_default_dtype(torch.float64)
+PLAN = [item.split(":") for item in os.environ.get("STOP_AT", "").split(",") if item]
+
+def after_step(optimizer, args, kwargs):
+    optimizer.steps_here = getattr(optimizer, "steps_here", 0) + 1
+    for rank, step, name, *late in PLAN:
+        if int(step) != optimizer.steps_here:
+            continue
+        signum = getattr(signal, name)
+        if int(rank) == distributed.get_rank():
+            send = lambda: os.kill(os.getpid(), signum)
+            threading.Timer(0.3, send).start() if late else send()
+        elif late:
+            time.sleep(0.6)
+
+register_optimizer_step_post_hook(after_step)
+if os.environ.get("START_METHOD"):  # e.g. forkserver, Python 3.14's default: set in the rank, as it would be
+    init = distributed.init_process_group
+    def forced(*args, **kwargs):
+        multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
+        return init(*args, **kwargs)
+    distributed.init_process_group = forced
+if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    rank, step = map(int, os.environ["CRASH_AT"].split(":"))
+    register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and
+                                      optimizer.steps_here == step and os._exit(17))
+if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))

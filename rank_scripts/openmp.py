@@ -1,0 +1,17 @@
+"""A launcher that used OpenMP threads before launch() (test_launch.py): python openmp.py."""
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import distributed  # noqa: E402
+
+
+def worker(local_rank, world_size):
+    x = torch.randn(512, 512)
+    print(f"rank {local_rank}: {torch.get_num_threads()} threads, {float((x @ x).sum()):.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.randn(512, 512) @ torch.randn(512, 512)  # starts the launcher's OpenMP threads
+    distributed.launch(worker, nprocs=2)
