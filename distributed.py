@@ -32,6 +32,11 @@ The same script runs unchanged as
     torchrun --nproc_per_node=N train.py             # one or many hosts
     srun -n N python train.py                        # SLURM
 
+This file alone launches, joins the group, shards the data and runs the collectives; a stop signal (SIGTERM,
+SIGUSR1, SIGUSR2) is forwarded to the ranks and ends them. Optional files copied next to it add one concern
+each, through this file's public names: checkpointer.py (the ranks save and the job resumes exactly),
+ddp_check.py (check your model under DDP), shared_memory_allreduce.py (CPU ranks on one host).
+
 The public part first, in the order a script uses it; then the internals in the same order; last, the supervisor
 of the processes launch() starts. Standard library and torch (2.8 or newer) only; no module-level state.
 """

@@ -200,7 +200,7 @@ def test_all_gather_stacks_every_rank_in_rank_order(pools, world, shape, dtype, 
         assert torch.equal(result, torch.stack(values))
 
 
-def test_collectives_hand_torch_distributed_contiguous_tensors_whatever_the_input(pools):
+def test_collectives_hand_torch_contiguous_tensors_whatever_the_input(pools):
     """`reduce(x.T)` and `all_gather(preds[:, 0])` are strided views: NCCL raises "Tensors must be contiguous"
     on them, on GPUs only, because gloo takes them. What goes on the wire must be contiguous."""
     for rank, got in enumerate(pools.run(2, task_wire_contiguity, {})):

@@ -257,7 +257,7 @@ def test_batchnorm_is_named_with_its_module_and_type():
     assert "GroupNorm/LayerNorm" in message
 
 
-def test_dropout_is_named_with_its_probability_and_the_keyword_that_checks_the_rest():
+def test_dropout_is_named_with_its_probability_and_the_keyword():
     message = failure(dropout_mlp, vectors, cross_entropy, world_sizes=(2,))
     assert "Dropout in `1` (Dropout, p=0.5)" in message and "pass disable_dropout=True" in message
 
@@ -281,7 +281,7 @@ def test_disable_dropout_checks_a_model_with_dropout(make_model, make_data):
      "BatchNorm"),
     (gpt_like, sequences, "Dropout in `1.layers.0.self_attn` (MultiheadAttention, p=0.1), `1.layers.0.dropout` "
                           "(Dropout, p=0.1), `1.layers.0.dropout1` (Dropout, p=0.1) and 5 more", "Dropout")])
-def test_a_cause_found_in_many_modules_is_one_paragraph_and_the_report_fits_a_screen(make_model, make_data,
+def test_a_cause_in_many_modules_is_one_paragraph_that_fits_a_screen(make_model, make_data,
                                                                                     cause, modules):
     message = failure(make_model, make_data, cross_entropy, world_sizes=(2,))
     assert cause in message and message.count(f"{modules} in ") == 1, message
@@ -314,7 +314,7 @@ def test_summed_loss_is_named_as_a_world_size_factor(world):
     assert float(errors.group(2)) == pytest.approx(1 - 1 / world, rel=1e-3)  # printed to 3 digits
 
 
-def test_unused_parameters_name_the_keyword_and_the_tracebacks_come_once_with_a_file():
+def test_unused_parameters_name_the_keyword_and_tracebacks_come_once():
     message = failure(with_unused, vectors, cross_entropy, world_sizes=(2,))
     assert "world size 2" in message
     assert "pass find_unused_parameters=True to assert_ddp_equivalent" in message  # ours, not torch's text

@@ -80,7 +80,7 @@ def test_every_helper_works_with_cuda_and_cpu_tensors(tmp_path, backend, torchru
     assert leftover_processes(marker) == []
 
 
-def test_a_stop_signal_on_nccl_ranks_saves_mid_epoch_and_the_resume_ends_bitwise(tmp_path):
+def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
     """Checkpointer under nccl: the stop check's all-reduce, every rank's CUDA RNG in the snapshot, and a
     mid-epoch resume on one rank per GPU that ends with the uninterrupted run's model."""
     def run(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
@@ -110,7 +110,7 @@ def test_a_rank_that_raises_under_nccl_is_reported_with_its_own_exception(tmp_pa
 
 
 @two_gpus
-def test_a_hung_rank_under_nccl_fails_soon_after_the_timeout_and_the_report_places_both_ranks(tmp_path):
+def test_hung_nccl_rank_fails_after_the_timeout_and_both_are_placed(tmp_path):
     """Rank 1 sleeps; rank 0's reduce() of a CUDA tensor returns at once and it blocks at .item(), until
     NCCL's watchdog aborts it (SIGABRT): faulthandler leaves its stacks, and the launcher's report says
     where each rank blocked, without claiming that rank 0 never reached the collective."""

@@ -198,7 +198,7 @@ def test_torchrun_workers_die_with_a_sigkilled_agent(job, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [{}, {"JOB_THREAD": "1"}], ids=["one-thread", "with-a-thread"])
-def test_normal_run_from_the_forkserver_warns_of_nothing_and_leaves_no_process_behind(job, launcher):
+def test_forkserver_run_warns_of_nothing_and_leaves_no_process_behind(job, launcher):
     """One start path, the forkserver: numpy (whose BLAS starts threads at import) must not change it."""
     j = job("ok", "0", "3", env=launcher)
     code, out, err = j.finish()
@@ -241,7 +241,7 @@ def test_workers_of_a_launcher_that_used_openmp_threads_can_use_theirs(job, tmp_
 
 
 @pytest.mark.slow
-def test_four_jobs_launched_at_once_all_succeed_one_under_a_tmpdir_too_long_for_a_socket(job, tmp_path):
+def test_four_jobs_launched_at_once_all_succeed_even_under_long_tmpdir(job, tmp_path):
     """Any port two jobs both pick makes one fail here: the rendezvous is a file in each job's own directory.
     One job's TMPDIR is over 80 characters: a forkserver's socket below it would exceed AF_UNIX's 107 bytes."""
     long_tmpdir = tmp_path / ("t" * 80)
@@ -731,7 +731,7 @@ def test_the_hang_report_places_a_rank_caught_exiting_by_its_traceback():
     assert "rank 1: exiting, past your code (none of its frames is yours)" in report and "never reached" not in report
 
 
-def test_under_nccl_the_report_says_where_a_rank_blocked_not_that_it_never_reached_the_collective():
+def test_hang_report_under_nccl_says_blocked_not_never_reached():
     """Under nccl reduce() of a CUDA tensor returns before the collective completes; the rank blocks at its
     next synchronizing call (.item()): that is where its stack is, and it may well have reached the collective."""
     user = "/home/me/train.py"
@@ -768,7 +768,7 @@ def line_of(tmp_path: Path, text: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("behaviour, stuck_at", [("spin", "in spin <- job.py:{} in worker"),
                                                  ("read", "in worker")], ids=["python-loop", "blocked-in-c"])
-def test_a_hung_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective(job, tmp_path, behaviour,
+def test_hung_rank_is_named_at_its_line_and_waiting_rank_at_its_call(job, tmp_path, behaviour,
                                                                                      stuck_at):
     """A rank that hangs without dying: the others fail with the collective's timeout (3 s here), and the
     report places every rank."""

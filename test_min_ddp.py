@@ -113,7 +113,7 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, batch, accum, log_every", RUNS)
-def test_min_ddp_training_equals_a_one_process_loop_over_the_same_global_batches(runs, world, batch, accum,
+def test_min_ddp_training_equals_a_one_process_loop_on_same_batches(runs, world, batch, accum,
                                                                                  log_every):
     """Fails if min_ddp stops reshuffling each epoch, mis-scales the --grad-accum loss, skips no_sync's
     last all-reduce, feeds ranks overlapping shards, or drops the padding of an uneven world."""
@@ -297,7 +297,7 @@ def test_min_ddp_ctrl_c_is_one_line_and_exit_code_130():
 
 
 
-def test_min_ddp_print_config_writes_a_config_that_reads_back_as_the_same_settings(tmp_path, capsys):
+def test_min_ddp_print_config_reads_back_as_the_same_settings(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         min_ddp_cli.parse_args(["--print-config", "--epochs", "3", "--lr", "0.5", "--snapshot", str(tmp_path / "s.pt")])
     assert exit_.value.code == 0

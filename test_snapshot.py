@@ -80,7 +80,7 @@ def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(s
         torch.testing.assert_close(moved["model"][key], tensor, rtol=1e-9, atol=1e-9)
 
 
-def test_resume_that_changes_the_run_is_refused_naming_every_setting_that_differs(one_epoch, tmp_path):
+def test_resume_that_changes_the_run_is_refused_naming_each_setting(one_epoch, tmp_path):
     """A resume with another seed, lr or dataset would silently train another run; one line, no traceback."""
     path = shutil.copy(one_epoch, tmp_path / "snap.pt")
     refused = run_min_ddp(tmp_path, "--nprocs", "1", "--epochs", "2", "--seed", "6", "--lr", "0.5", "--snapshot",
@@ -283,7 +283,7 @@ STRACE_UNAVAILABLE = cannot_run(["strace", "-f", "--seccomp-bpf", "-o", "/dev/nu
 @pytest.mark.skipif(bool(STRACE_UNAVAILABLE), reason=str(STRACE_UNAVAILABLE))
 @pytest.mark.parametrize("fails, error, saved", [("directory", "EINVAL", True), ("directory", "EIO", False),
                                                  ("file", "EINVAL", False)])
-def test_a_directory_that_cannot_be_synced_still_saves_but_other_sync_errors_fail(tmp_path, fails, error, saved):
+def test_unsyncable_directory_still_saves_other_sync_errors_fail(tmp_path, fails, error, saved):
     path = tmp_path / "snap.pt"
     distributed.save_checkpoint(versioned_state(1), path)
     save = f"import distributed, torch; distributed.save_checkpoint({{'version': 2}}, {str(path)!r})"

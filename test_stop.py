@@ -112,7 +112,7 @@ def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(stop
 
 
 @pytest.mark.parametrize("world, batch", [(1, "128"), (4, "32")])
-def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch(uninterrupted, stopped_at_step_7,
+def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterrupted, stopped_at_step_7,
                                                                                  tmp_path, world, batch):
     """Stopped at world 2 after step 7 (global batch 128), resumed at world 1 x 128 or 4 x 32: the same
     samples in every remaining step, so the final model equals the uninterrupted world-2 run's up to the
@@ -130,7 +130,7 @@ def test_mid_epoch_stop_resumes_at_another_world_size_with_the_same_global_batch
         torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-9)
 
 
-def test_mid_epoch_resume_with_another_global_batch_is_refused_naming_the_numbers_that_continue_it(stopped_at_step_7,
+def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_at_step_7,
                                                                                                     tmp_path):
     snap = str(shutil.copy(stopped_at_step_7, tmp_path / "snap.pt"))
     other = [*FLAGS, "--snapshot", snap]
@@ -168,7 +168,7 @@ def test_a_users_own_iteration_loop_without_a_sampler_stops_and_resumes_bitwise(
     assert_bitwise_equal(got["model"], expected["model"], "final model")
 
 
-def test_a_snapshot_that_only_some_ranks_see_fails_every_rank_naming_a_shared_file_system(tmp_path):
+def test_snapshot_only_some_ranks_see_fails_every_rank_naming_the_fix(tmp_path):
     """Rank 0's node has the snapshot and rank 1's does not (node-local disks): resuming one and starting
     the other fresh would drift silently, so every rank fails, saying where the snapshot must be. The ranks are
     started by hand: a launcher would stop the second rank to fail before it could show its own error."""
@@ -181,7 +181,7 @@ def test_a_snapshot_that_only_some_ranks_see_fails_every_rank_naming_a_shared_fi
                               "snapshot on a file system every node sees") in err, f"rank {rank}: {err}"
 
 
-def test_signal_to_the_launcher_is_forwarded_and_workers_save_before_it_dies_of_it(uninterrupted, tmp_path):
+def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, tmp_path):
     """`kill -TERM <launcher>`: the workers get it, stop at a step and save; then the launcher dies of
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""
     model, done = uninterrupted
@@ -217,7 +217,7 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> st
     raise TimeoutError(f"no line with {text!r} within {timeout} s")
 
 
-def test_save_slower_than_the_launchers_grace_leaves_the_previous_snapshot_whole(tmp_path):
+def test_save_slower_than_the_grace_leaves_the_previous_snapshot_whole(tmp_path):
     script, path = SCRIPTS / "slow_save.py", tmp_path / "snap.pt"
     code, out, err = signal_once_printed([sys.executable, str(script), str(path)], tmp_path, "saved version 1",
                                          lambda pid: os.kill(pid, signal.SIGUSR1), timeout=30)  # grace 1 s, save 60 s
@@ -236,7 +236,7 @@ def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(
 
 
 @pytest.mark.skipif(not shutil.which("torchrun"), reason="torchrun is not on PATH")
-def test_torchrun_agent_forwards_sigterm_and_usr1_when_asked_and_the_workers_save_before_its_30_s(uninterrupted,
+def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterrupted,
                                                                                                    tmp_path):
     """SIGTERM reaches the workers through torchrun's agent as is. USR1 (SLURM's early warning) only with the
     README's --signals-to-handle: by default the agent dies of it and its workers with it, nothing saved."""
@@ -309,7 +309,7 @@ def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
     return out.stdout.strip()
 
 
-def test_sbatch_signal_before_the_time_limit_saves_requeues_once_and_resumes_bitwise(slurm, uninterrupted,
+def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, uninterrupted,
                                                                                      tmp_path):
     """`--time=2 --signal=USR1@70 --requeue`: slurmctld checks every 30 s and signals at its first check
     with at most 70 + 30 s left, so USR1 reaches the srun step 20 to 50 s into the run, long after the
@@ -391,7 +391,7 @@ def test_save_without_a_snapshot_path_is_an_error_naming_it(stop_signals_restore
         ckpt.save()
 
 
-def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces(tmp_path, stop_signals_restored):
+def test_restored_state_keeps_each_tensors_device(tmp_path, stop_signals_restored):
     """load_checkpoint maps a snapshot onto this rank's GPU; a tensor the user keeps elsewhere (a CPU counter on
     a GPU machine) must come back there. Without a GPU, the 'meta' device stands in for 'elsewhere'."""
     path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
@@ -407,7 +407,7 @@ def test_restored_state_keeps_each_tensor_on_the_device_of_the_value_it_replaces
 
 
 @pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
-def test_checkpointer_epochs_reshuffle_every_epoch_whatever_distributed_sampler_the_loader_holds(
+def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
         tmp_path, wrap, stop_signals_restored):
     """ckpt.epochs() calls set_epoch on the loader's sampler also when it is torch's own, or batched by a
     batch_sampler; a mid-epoch snapshot that such a loader, or no loader, cannot continue exactly is refused,
