@@ -3,6 +3,7 @@
     python bench.py                 # the table (about 5 minutes on 2 cores)
     python bench.py --runs 9 --json # more runs; machine-readable
     python bench.py --srun          # only the SLURM row (needs a cluster: bash .ci/slurm up)
+    python bench.py --save          # only a Checkpointer save with 64 MB of state per rank, world 2
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -17,6 +18,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -216,6 +218,27 @@ def fail_fast_latency() -> float:
         return start + seconds - float(open(raised).read())
 
 
+def save_worker(local_rank: int, world_size: int, saves: int, result: str) -> None:
+    """Checkpointer.save() with 64 MB of `state` per rank (an EMA copy of a model): each save's seconds, and
+    each rank's peak resident memory above what it held before the first save (MB)."""
+    from checkpointer import Checkpointer
+    dist.init_process_group(local_rank, world_size)
+    ckpt = Checkpointer(os.path.join(os.path.dirname(result), "snap.pt"), nn.Linear(4, 4),
+                        state={"ema": torch.randn(16 << 20)})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    seconds = []
+    for _ in range(saves):
+        dist.barrier()
+        start = time.perf_counter()
+        ckpt.save()
+        seconds.append(time.perf_counter() - start)
+    peaks = dist.all_gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before).tolist()
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump({"seconds": seconds, "peak_mb": peaks}, f)
+    dist.cleanup()
+
+
 def slurm_answers() -> bool:
     return shutil.which("srun") is not None and subprocess.run(
         ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30).stdout.strip() in ("idle", "mix")
@@ -279,6 +302,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="timed steps per throughput run")
     p.add_argument("--json", action="store_true", help="print every run's measurements as JSON")
     p.add_argument("--srun", action="store_true", help="only the SLURM row (needs a cluster: bash .ci/slurm up)")
+    p.add_argument("--save", action="store_true", help="only a Checkpointer save, 64 MB of state per rank")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -286,6 +310,13 @@ def main() -> None:
         p.error(f"--runs and --steps must be >= 1, got: --runs {args.runs} --steps {args.steps}")
     if args.job:
         return dist.launch(job_worker, args.fail_file, nprocs=2)
+    if args.save:
+        found = run_launched(save_worker, 2, 2 * args.runs + 1)
+        seconds = found["seconds"][1:]  # the first save also pays its first-time costs
+        print(f"save, 64 MB state per rank, world 2: median {statistics.median(seconds):.2f} s (runs: "
+              f"{min(seconds):.2f}-{max(seconds):.2f}); peak memory above the state, per rank: "
+              f"{', '.join(f'{mb:.0f} MB' for mb in found['peak_mb'])}")
+        return None
     if args.srun and not slurm_answers():
         p.error("--srun needs an idle SLURM node (sinfo); on this machine: bash .ci/slurm up")
     runs: dict[str, list] = {name: [] for name in configs(args.steps, args.srun)}

@@ -15,7 +15,7 @@ the signals simply end the job. It uses only distributed.py's public names and t
 """
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import inspect
 import io
 import multiprocessing
@@ -58,7 +58,8 @@ class Checkpointer:
     run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
     optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
     them, objects with ``state_dict()`` and ``load_state_dict()`` such as an LR scheduler or a GradScaler; each
-    rank its own, at another world size rank 0's). Then it calls ``handle_stop_signals()``.
+    rank its own, at another world size rank 0's), and gives a loader without a ``generator`` one of its own (its
+    iterator then draws nothing from the global generator). Then it calls ``handle_stop_signals()``.
 
     ``epochs(n)`` snapshots at every epoch's end. ``step()``: a snapshot every ``save_every`` steps (0: none),
     and every ``check_every`` steps one all-reduce asks whether any rank got a stop signal: then every rank
@@ -69,6 +70,13 @@ class Checkpointer:
 
     Attributes: ``epoch`` (the epoch in progress, from 0), ``steps`` (optimizer steps in the whole run) and
     ``epoch_steps`` (optimizer steps in this epoch so far).
+
+    Bitwise as if never stopped, at the same number of processes: every generator the loop draws from in the
+    ranks (dropout on CPU and CUDA, augmentation with ``num_workers=0``, a torch.Generator in ``state``), with
+    accumulation; with loader workers, only when the dataset is ``distributed.seeded_dataset``'s. On GPUs also
+    only with deterministic kernels. At another number of processes: the same samples in every step, within
+    float rounding; each rank the snapshot had keeps its generators, a new rank gets its own (derived from the
+    snapshot and its rank), so dropout cannot match.
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
@@ -100,6 +108,12 @@ class Checkpointer:
         # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
         distributed.check_weights_only(self.settings, "Checkpointer: settings")
         distributed.check_weights_only(_state_dicts(self.state), "Checkpointer: state")
+        # iter(loader) draws the workers' base seed from loader.generator, else from the global generator: a
+        # resume that starts an epoch's iterator mid-epoch would shift every later draw (dropout, augmentation).
+        if loader is not None and getattr(loader, "generator", False) is None:
+            loader.generator = torch.Generator()
+            loader.generator.manual_seed(int(torch.randint(2**62, ())))
+        self._loader_rng = self._loader_generator_state()  # as the epoch in progress began
         saved = _agreed_snapshot(self.path)
         if saved is not None:
             self._restore(saved)
@@ -123,6 +137,11 @@ class Checkpointer:
                                  f"batch_size={getattr(self.loader, 'batch_size', None)})")
             elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
                 sampler.set_epoch(self.epoch)
+            if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):  # distributed.seeded_dataset's
+                self.loader.dataset.set_epoch(self.epoch)
+            if self.epoch_steps:  # the epoch's iterator draws as it did when the epoch began
+                self.loader.generator.set_state(self._loader_rng)
+            self._loader_rng = self._loader_generator_state()
             yield self.epoch
             self.epoch += 1
             self.epoch_steps = 0
@@ -147,7 +166,7 @@ class Checkpointer:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state()
-        ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda,
+        ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda, "loader_rng": self._loader_rng,
                                     "state": _state_dicts(self.state)})
         distributed.save_checkpoint({"model": self.model.state_dict(),
                                      "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -165,18 +184,14 @@ class Checkpointer:
             raise ValueError(f"the snapshot {self.path} holds another model or optimizer than this script builds "
                              f"({e}); use another path to start a new run") from e
         ranks = saved["ranks"]
-        if len(ranks) == distributed.get_world_size():
-            mine = ranks[distributed.get_rank()]
-        else:  # at another world size every rank takes rank 0's
-            mine = ranks[0]
-        torch.set_rng_state(mine["rng"].cpu())  # load_checkpoint mapped it to this rank's device
-        if mine["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine["cuda_rng"].cpu())
-        for key, value in _on_devices_of(mine["state"], self.state).items():
-            if hasattr(self.state.get(key), "load_state_dict"):  # an LR scheduler, a GradScaler...
-                self.state[key].load_state_dict(value)
-            else:
-                self.state[key] = value
+        rank = distributed.get_rank()
+        _restore_rngs(ranks, rank)
+        if ranks[rank % len(ranks)].get("loader_rng") is not None and self._loader_rng is not None:
+            self._loader_rng = ranks[rank % len(ranks)]["loader_rng"]
+        # The user's state: each rank its own; at another world size rank 0's (a per-rank sum cannot be split).
+        mine = ranks[rank] if len(ranks) == distributed.get_world_size() else ranks[0]
+        for key, value in mine["state"].items():
+            self.state[key] = _restored(self.state.get(key), value)
         self.epoch = saved["epoch"]
         self.steps = saved["steps"]
         self.epoch_steps = saved["epoch_steps"]
@@ -187,6 +202,10 @@ class Checkpointer:
         else:
             where = f"after {self.epoch} epoch(s)"
         distributed.print_primary(f"resumed from {self.path} {where} (saved at world size {len(ranks)})")
+
+    def _loader_generator_state(self) -> torch.Tensor | None:
+        generator = getattr(self.loader, "generator", None)
+        return generator.get_state() if isinstance(generator, torch.Generator) else None
 
     def _stop(self, signum: signal.Signals) -> None:
         """Every rank saves this step, the primary requeues if due, every rank raises Stopped."""
@@ -270,6 +289,7 @@ def requeue() -> bool:
 
 
 # ============ Internals (not the API) =======================================================
+_CHUNK = 16 << 20  # bytes of each rank's state per gather when a save collects them
 _SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
 
 
@@ -291,7 +311,9 @@ def _agreed_snapshot(path: str | None) -> dict | None:
         if path and distributed.is_primary() and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise ValueError(f"cannot write snapshots to {path}: its directory is missing or read-only; create it "
                              "or choose another path (now, not after the first epoch)")
-        saved = distributed.load_checkpoint(path) if path else None
+        # On the CPU: each load_state_dict places its tensors where this run keeps them (Adam's step counters on
+        # the CPU: on the GPU, foreach Adam would sync with the host for every parameter at every step).
+        saved = distributed.load_checkpoint(path, map_location="cpu") if path else None
         missing = _SNAPSHOT_KEYS - saved.keys() if saved is not None else set()
         if missing:
             raise ValueError(f"{path} is not a Checkpointer snapshot (missing: {sorted(missing)}); use another path")
@@ -316,47 +338,93 @@ def _agreed_snapshot(path: str | None) -> dict | None:
 
 def _gather_to_primary(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` (what torch.load(weights_only=True) reads) on the primary, in rank order; None
-    elsewhere. Gathered to the writer only, as bytes decoded from the buffer: a large state costs one copy
-    per rank on the primary, not on every rank. Must be called on all ranks."""
+    elsewhere; must be called on all ranks. To the writer only, in chunks written straight into each rank's
+    buffer: the primary holds world x the state once, the others nothing more, and under nccl (which moves
+    CUDA tensors only) the GPUs hold (world + 1) x _CHUNK at most, whatever the state's size."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    data = buffer.getvalue()
+    data = buffer.getbuffer()
     if distributed.get_world_size() == 1:
-        return [obj]
+        return [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)]
     lengths = distributed.all_gather(len(data)).tolist()
     device = torch.device("cpu")
-    if dist.get_backend() == "nccl":  # it moves CUDA tensors only
+    if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    # One byte more: frombuffer refuses an empty buffer.
-    mine = torch.frombuffer(bytearray(data.ljust(max(lengths) + 1, b"\0")), dtype=torch.uint8).to(device)
-    rows = [torch.empty_like(mine) for _ in lengths] if distributed.is_primary() else None
-    dist.gather(mine, rows, dst=0)
-    if rows is None:
+    primary = distributed.is_primary()
+    gathered = [bytearray(n) for n in lengths] if primary else []
+    for start in range(0, max(lengths), _CHUNK):
+        size = min(_CHUNK, max(lengths) - start)
+        piece = torch.zeros(size, dtype=torch.uint8)
+        if start < len(data):
+            mine = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=min(size, len(data) - start))
+            piece[:len(mine)] = mine
+            del mine  # a view of the buffer: the buffer is freed below only once none is left
+        piece = piece.to(device)
+        rows = [torch.empty_like(piece) for _ in lengths] if primary else None
+        dist.gather(piece, rows, dst=0)
+        for out, row, n in zip(gathered, rows or [], lengths):
+            if n > start:
+                end = min(n, start + size)
+                torch.frombuffer(out, dtype=torch.uint8)[start:end].copy_(row[:end - start])
+    if not primary:
         return None
-    out = []
-    for row, n in zip(rows, lengths):
-        row = row.cpu()
-        out.append(torch.load(io.BytesIO(ctypes.string_at(row.data_ptr(), n)), map_location="cpu",
-                              weights_only=True))
-    return out
+    del data, buffer  # decoded one rank at a time, each buffer freed once it is
+    return [torch.load(io.BytesIO(gathered.pop(0)), map_location="cpu", weights_only=True) for _ in lengths]
 
 
 def _state_dicts(state: dict) -> dict:
     """The user's state as a snapshot holds it: an object with load_state_dict() (an LR scheduler) as its
-    state_dict()."""
-    return {key: value.state_dict() if hasattr(value, "load_state_dict") else value for key, value in state.items()}
+    state_dict(), a torch.Generator as its state."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Generator):
+            out[key] = value.get_state()
+        elif hasattr(value, "load_state_dict"):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
 
 
-def _on_devices_of(saved: Any, current: Any) -> Any:
-    """``saved`` with every tensor on the device of the value it replaces in ``current`` (a CPU counter stays
-    on the CPU): load_checkpoint put them all on this rank's device."""
-    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
-        return saved.to(current.device)
-    if isinstance(saved, dict) and isinstance(current, dict):
-        return {key: _on_devices_of(value, current.get(key)) for key, value in saved.items()}
-    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
-        return type(saved)(_on_devices_of(value, now) for value, now in zip(saved, current))
-    return saved
+def _restored(current: Any, saved: Any) -> Any:
+    """``saved`` put into ``current`` in place where its type allows (so that a name the loop holds sees it): a
+    tensor's values (on its own device), a dict's and a list's items, an LR scheduler's or a Generator's state.
+    What cannot change in place (a number, a string, a tuple) comes back as a new object."""
+    if isinstance(current, torch.Generator):
+        current.set_state(saved)
+    elif hasattr(current, "load_state_dict"):
+        current.load_state_dict(saved)
+    elif isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if current.shape != saved.shape or current.dtype != saved.dtype:
+            return saved.to(current.device)
+        with torch.no_grad():
+            current.copy_(saved)
+    elif isinstance(current, dict) and isinstance(saved, dict):
+        for key, value in saved.items():
+            current[key] = _restored(current.get(key), value)
+    elif isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
+        current[:] = [_restored(now, value) for now, value in zip(current, saved)]
+    elif isinstance(current, tuple) and isinstance(saved, (list, tuple)) and len(current) == len(saved):
+        return type(current)(_restored(now, value) for now, value in zip(current, saved))
+    else:
+        return saved
+    return current
+
+
+def _restore_rngs(ranks: list[dict], rank: int) -> None:
+    """This rank's CPU and CUDA generators as the snapshot holds them. At another world size a rank the
+    snapshot had keeps its own; a new rank gets a state of its own, derived from the snapshot and its rank
+    (rank 0's for every rank would give them all the same random batches)."""
+    saved = ranks[rank] if rank < len(ranks) else None
+    if saved is not None:
+        torch.set_rng_state(saved["rng"])
+        if saved["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved["cuda_rng"])
+        return
+    base = ranks[rank % len(ranks)]["rng"]
+    seed = int.from_bytes(hashlib.blake2b(bytes(base.tolist()) + rank.to_bytes(8, "little"),
+                                          digest_size=8).digest(), "little") >> 1
+    torch.manual_seed(seed)  # the CUDA generators too
 
 
 def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) -> None:

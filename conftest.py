@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import warnings
 
@@ -24,6 +25,7 @@ collect_ignore = [name for name in os.listdir(os.path.dirname(os.path.abspath(__
 import pytest
 from hypothesis import HealthCheck, settings
 
+import distributed
 from ddp_check import WorkerPools, worker_pools
 from harness import PROFILE
 
@@ -63,3 +65,12 @@ def slurm():
     if reason:
         print(f"\nSKIPPING SLURM TESTS: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture
+def stop_signals_restored():
+    """A Checkpointer in the test's own process takes the stop signals: pytest's handling comes back after."""
+    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)

@@ -92,14 +92,15 @@ def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callab
             "accum": accum, "epoch": epoch, "shuffle": shuffle, "after_ddp": after_ddp,
             "disable_dropout": disable_dropout, "ddp_options": dict(ddp_options or {})}
     model = _check_inputs(spec, world_sizes)
+    suspects = _suspects(model) + _data_suspects(spec["make_data"])
     records = {}
     for world in world_sizes:
         reference = _train_reference(spec, world)
         try:
             records[world] = worker_pools().run(world, _train_rank, spec)
         except PoolError as e:
-            raise AssertionError(_rank_failure(world, e, model)) from None
-        _compare(world, records[world], reference, model, rtol)
+            raise AssertionError(_rank_failure(world, e, suspects)) from None
+        _compare(world, records[world], reference, suspects, rtol)
     return records
 
 
@@ -140,6 +141,8 @@ def _train_reference(spec: dict, world: int) -> dict:
     try:
         model = _model(spec)
         data = spec["make_data"]()
+        if hasattr(data, "set_epoch"):  # distributed.seeded_dataset's: the ranks' data_sampler sets it too
+            data.set_epoch(spec["epoch"])
         shards = [_shard(data, world, rank, spec) for rank in range(world)]
         per_step = spec["batch"] * spec["accum"]
         optimizer = spec["make_optimizer"](model.parameters())
@@ -207,7 +210,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------ Comparing, and naming the likely cause -----------------------
 
 
-def _compare(world: int, ranks: list[dict], reference: dict, model: nn.Module, rtol: float) -> None:
+def _compare(world: int, ranks: list[dict], reference: dict, suspects: list[str], rtol: float) -> None:
     """The first step's gradients, then each step's parameters and buffers: replicas bitwise
     equal to rank 0, rank 0 close to the reference. Raises at the first divergence."""
     checks = [("the gradient of `{}`", 1, [r["grads"] for r in ranks], reference["grads"])]
@@ -218,15 +221,15 @@ def _compare(world: int, ranks: list[dict], reference: dict, model: nn.Module, r
             for rank, other in enumerate(per_rank[1:], 1):
                 if not torch.equal(other[name], got):
                     raise AssertionError(_report(world, step, what.format(name), got, other[name],
-                                                 model, f"rank {rank} differs from rank 0", replicas=True))
+                                                 suspects, f"rank {rank} differs from rank 0", replicas=True))
             ref = expected.get(name)
             if ref is None or not torch.allclose(got, ref, rtol=rtol, atol=rtol * max(1.0, ref.abs().max())):
-                raise AssertionError(_report(world, step, what.format(name), ref, got, model,
+                raise AssertionError(_report(world, step, what.format(name), ref, got, suspects,
                                              "rank 0 differs from one process", replicas=False))
 
 
 def _report(world: int, step: int, where: str, expected: torch.Tensor | None, got: torch.Tensor,
-            model: nn.Module, how: str, replicas: bool) -> str:
+            suspects: list[str], how: str, replicas: bool) -> str:
     lines = [f"DDP diverges from 1-process training: world size {world}, step {step}, {where} ({how})"]
     if expected is None:
         lines.append("  one process has no such tensor (a gradient that only DDP computed?)")
@@ -243,7 +246,7 @@ def _report(world: int, step: int, where: str, expected: torch.Tensor | None, go
         if not replicas and factor is not None and abs(factor / world - 1) < 0.05 and world > 1:
             lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP "
                                 "already averages over ranks; do not multiply the loss by the world size"))
-    lines += [_cause(c) for c in _suspects(model)]
+    lines += [_cause(c) for c in suspects]
     if replicas:
         lines.append(_cause("replicas that differ from each other: DDP keeps parameters equal by averaging "
                             "gradients and broadcasts rank 0's buffers only at the start of each forward, so "
@@ -284,12 +287,34 @@ def _suspects(model: nn.Module) -> list[str]:
     return found
 
 
+def _data_suspects(make_data: Callable[[], Any]) -> list[str]:
+    """Per-rank data randomness: an item that differs when read twice (a random augmentation drawing from
+    torch's global generator) differs between the ranks and one process, however right the model is."""
+    data = make_data()
+    if _same(data[0], data[0]):
+        return []
+    return ["the data's items change from one read to the next (random augmentation from the global generator): "
+            "each rank, and one process, draws its own, so the batches differ. Wrap the dataset with "
+            "distributed.seeded_dataset(data, seed) in make_data: each sample's randomness then depends only on "
+            "(seed, epoch, index)"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
 def _first_few(names: list[str], shown: int = 3) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
 
 
-def _rank_failure(world: int, error: PoolError, model: nn.Module) -> str:
+def _rank_failure(world: int, error: PoolError, suspects: list[str]) -> str:
     """The causes, then one rank's traceback, trimmed (ranks raise alike); every rank's in a file."""
     if not error.tracebacks:  # a hang: the message names the ranks and the timeout
         return f"DDP training failed at world size {world}: {error}"
@@ -301,7 +326,7 @@ def _rank_failure(world: int, error: PoolError, model: nn.Module) -> str:
         lines.append(_cause("parameters that get no gradient in some step (unused parameters): DDP waits "
                             "for every parameter's gradient; pass find_unused_parameters=True to "
                             "assert_ddp_equivalent, as to DDP in your training code, or remove them"))
-    lines += [_cause(c) for c in _suspects(model)]
+    lines += [_cause(c) for c in suspects]
     tail = [line[:200] for line in error.tracebacks[first].rstrip().splitlines()[-_TRACEBACK_LINES:]]
     lines += [f"rank {first}'s traceback, last lines:", *(f"  {line}" for line in tail),
               f"every rank's whole traceback: {f.name}"]

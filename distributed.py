@@ -50,6 +50,7 @@ import datetime
 import errno
 import faulthandler
 import gc
+import hashlib
 import io
 import itertools
 import linecache
@@ -58,6 +59,7 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import pickle
+import random
 import re
 import select
 import shutil
@@ -82,7 +84,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 __all__ = [
     "launch", "launch_mode", "WorkerFailed", "start_workers",
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
-    "data_sampler",
+    "data_sampler", "seeded_dataset",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap",
     "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked",
@@ -249,6 +251,18 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
                          f"with pad=True {world - size} rank(s) would train only on repeated samples. Use at "
                          f"least {world} samples, fewer processes, or pad=False (for evaluation)")
     return _Sampler(dataset, world, rank, shuffle=shuffle, seed=seed, pad=pad)
+
+
+def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
+    """``dataset`` whose every item is read with torch's (and Python's ``random``) generator seeded from
+    (``seed``, the epoch, the item's index), and the caller's generators left as they were: a random augmentation
+    (torchvision's transforms draw from torch's global generator) then depends on nothing else. The same sample
+    gets the same crop on rank 0 or rank 3, in worker 0 or 5 (``persistent_workers`` too), before or after a
+    resume, at any world size; a new one each epoch. Wrap it before data_sampler, whose ``set_epoch`` passes the
+    epoch on (or call ``set_epoch(epoch)`` on it yourself); other attributes are the wrapped dataset's."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
+    return _SeededDataset(dataset, seed)
 
 
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
@@ -605,12 +619,48 @@ class _Sampler(DistributedSampler):
                              f"samples, got: {skip}")
         super().set_epoch(epoch)
         self.skip = skip
+        if hasattr(self.dataset, "set_epoch"):  # seeded_dataset's: its per-sample seeds change with the epoch
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         return itertools.islice(super().__iter__(), self.skip, None)  # indices only: nothing skipped is loaded
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
+
+
+class _SeededDataset(Dataset):
+    """seeded_dataset's wrapper. The epoch lives in shared memory: DataLoader workers, forked or spawned, and
+    persistent ones that keep their copy of the dataset across epochs, all read the epoch the rank set."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        # blake2b: a seed of 63 bits from the three numbers, the same in every process (unlike hash()).
+        key = f"{self.seed}/{int(self._epoch)}/{index}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        python_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):  # the caller's CPU generator comes back afterwards
+            torch.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python_state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "seed", "_epoch") or name.startswith("__"):  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 # ------------------------------ Collectives --------------------------------------------------

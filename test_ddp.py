@@ -14,6 +14,7 @@ Tolerances (float64 throughout the training properties):
 from __future__ import annotations
 
 import math
+import random
 import os
 import re
 import subprocess
@@ -409,6 +410,40 @@ def test_set_epoch_skip_continues_the_same_order_and_never_loads_the_skipped(poo
         assert got["loaded"] == got["resumed"], f"rank {rank}: loaded {got['loaded']}, a skipped sample among them"
         assert got["next_len"] == len(got["whole"]), "the next set_epoch must start whole"
 
+
+
+class RandomCrops(torch.utils.data.Dataset):
+    """A random "crop" per read, from torch's global generator and Python's random, as augmentations draw."""
+    classes = ("a", "b")
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, float]:
+        return torch.randn(3) + index, random.random()
+
+
+def test_seeded_dataset_gives_each_sample_one_draw_per_epoch_and_spares_the_callers():
+    """seeded_dataset: a sample reads the same however often it is read and whatever the caller's generators
+    hold (any rank, worker or resume point), differently in another epoch (set through data_sampler's set_epoch)
+    and for another index; the caller's torch and Python generators are left as they were."""
+    data = distributed.seeded_dataset(RandomCrops(), seed=7)
+    sampler = distributed.data_sampler(data, True, shuffle=True)
+    torch.manual_seed(0)
+    before, python_before = torch.get_rng_state(), random.getstate()
+    first = data[2]
+    torch.manual_seed(99)
+    again = data[2]
+    assert torch.equal(first[0], again[0]) and first[1] == again[1]
+    assert not torch.equal(data[3][0] - 3, first[0] - 2)
+    sampler.set_epoch(1)
+    assert not torch.equal(data[2][0], first[0]) and data[2][1] != first[1]
+    torch.manual_seed(0)
+    data[4]
+    assert torch.equal(torch.get_rng_state(), before) and random.getstate() == python_before
+    assert len(data) == 6 and data.classes == ("a", "b")
+    with pytest.raises(TypeError, match="seed must be an integer, got: 1.5"):
+        distributed.seeded_dataset(RandomCrops(), 1.5)
 
 
 def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():

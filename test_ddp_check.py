@@ -43,6 +43,28 @@ def dict_vectors() -> list[dict]:
     return [{"x": x[i], "y": y[i]} for i in range(N)]
 
 
+class Augmented(torch.utils.data.Dataset):
+    """vectors() with a random augmentation drawn from torch's global generator, as torchvision's transforms draw."""
+
+    def __init__(self):
+        self.data = vectors()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        return x + 0.3 * torch.randn(x.shape), y
+
+
+def augmented() -> Augmented:
+    return Augmented()
+
+
+def seeded_augmented() -> torch.utils.data.Dataset:
+    return distributed.seeded_dataset(Augmented(), seed=5)
+
+
 def convnet() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3))
 
@@ -260,6 +282,20 @@ def test_batchnorm_is_named_with_its_module_and_type():
 def test_dropout_is_named_with_its_probability_and_the_keyword():
     message = failure(dropout_mlp, vectors, cross_entropy, world_sizes=(2,))
     assert "Dropout in `1` (Dropout, p=0.5)" in message and "pass disable_dropout=True" in message
+
+
+def test_random_augmentation_through_seeded_dataset_trains_the_same():
+    """Each sample's augmentation depends on (seed, epoch, index) alone: the ranks and one process see the same
+    data, so a correct model passes at worlds 2 and 3 although every read of the dataset draws randomness."""
+    assert_ddp_equivalent(mlp, seeded_augmented, cross_entropy)
+
+
+def test_random_augmentation_per_rank_fails_naming_seeded_dataset():
+    """The same augmentation unseeded: each rank draws its own, the check fails, and the message names per-rank
+    data randomness and the helper rather than blaming the (correct) model."""
+    message = failure(mlp, augmented, cross_entropy, world_sizes=(2,))
+    assert "the data's items change from one read to the next" in message, message
+    assert "distributed.seeded_dataset(data, seed)" in message, message
 
 
 def test_dropout_inside_a_transformer_block_is_named():

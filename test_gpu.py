@@ -99,6 +99,25 @@ def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
                          distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu"), "final model")
 
 
+def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path):
+    """rank_scripts/random_loop.py on one GPU: dropout on CUDA (its Philox generator's state in the snapshot) and a
+    random augmentation on the CPU, stopped mid-epoch and resumed: bitwise the uninterrupted run, with
+    deterministic kernels (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG, as the README says)."""
+    def run(snapshot: str, out: str, stop: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot),
+                               str(tmp_path / out), "1", "32", str(stop), "--dropout", "0.2"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    assert run("never.pt", "straight.pt", 0).returncode == 0
+    stopped = run("snap.pt", "resumed.pt", 5)
+    assert stopped.returncode == 138 and "after step 5 of epoch 1" in stopped.stdout, stopped.stderr[-3000:]
+    resumed = run("snap.pt", "resumed.pt", 0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(torch.load(tmp_path / "resumed.pt.steps"), torch.load(tmp_path / "straight.pt.steps"))
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "resumed.pt", map_location="cpu"),
+                         distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu"), "final model")
+
+
 @two_gpus
 def test_a_rank_that_raises_under_nccl_is_reported_with_its_own_exception(tmp_path):
     """The example's `finally: cleanup()` must not wait for NCCL work the peers never finish: the report

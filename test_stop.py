@@ -376,15 +376,6 @@ def test_checkpointer_refuses_bad_arguments_before_it_takes_the_stop_signals(kwa
     assert signal.getsignal(signal.SIGTERM) is before, "a refused Checkpointer must leave the signals alone"
 
 
-@pytest.fixture
-def stop_signals_restored():
-    """A Checkpointer in the test's own process takes the stop signals: pytest's handling comes back after."""
-    before = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
-    yield
-    for signum, handler in before.items():
-        signal.signal(signum, handler)
-
-
 def test_save_without_a_snapshot_path_is_an_error_naming_it(stop_signals_restored):
     ckpt = checkpointer.Checkpointer(None, torch.nn.Linear(2, 1))
     with pytest.raises(ValueError, match=r"Checkpointer.save: this Checkpointer has no snapshot path \(path=None\)"):

@@ -37,6 +37,14 @@ def worker(local_rank, world_size, backend, snapshot, behaviour):
     checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
     check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
     check(kept["gpu"], torch.ones(2), device)
+    adam = torch.optim.Adam(model.parameters())          # a resumed Adam keeps its step counters on the CPU,
+    model(torch.ones(1, 2, device=device)).sum().backward()  # as a fresh one does (else foreach Adam syncs)
+    adam.step()
+    checkpointer.Checkpointer(snapshot + ".adam", model, adam).save()
+    resumed = torch.optim.Adam(model.parameters())
+    checkpointer.Checkpointer(snapshot + ".adam", model, resumed)
+    where = lambda opt: [(k, v.device) for s in opt.state.values() for k, v in sorted(s.items())]  # noqa: E731
+    assert where(resumed) == where(adam) and ("step", torch.device("cpu")) in where(adam), where(resumed)
     if behaviour == "raise" and rank == 1:
         time.sleep(0.5)                                  # rank 0 waits in the reduce below
         torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight

@@ -1,0 +1,115 @@
+"""A loop with real training's randomness, on a Checkpointer (test_stop.py):
+
+    python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded] [--workers K]
+                          [--persistent] [--accum K]
+
+An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
+__getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
+(--workers 0) or in DataLoader workers; --augment seeded wraps the dataset with distributed.seeded_dataset. The
+model may have dropout (on the GPU where one is visible). Rank 1 (alone: rank 0) signals itself (SIGUSR1) after
+the STOP-th optimizer step of this run (0: never).
+OUT gets the final weights and, per global step, what that step trained on: every rank's (index, input) rows,
+sorted by index (rank 0 gathers them), so runs at different world sizes compare step by step.
+"""
+import argparse
+import contextlib
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import distributed  # noqa: E402
+from checkpointer import Checkpointer  # noqa: E402
+
+SAMPLES, FEATURES = 256, 8
+
+
+class Augmented(Dataset):
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=gen, dtype=torch.float64)
+        self.y = self.x[:, :2].sum(1, keepdim=True).sin()
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int):
+        x = self.x[index] + 0.1 * torch.randn(FEATURES, dtype=torch.float64)
+        if torch.rand(()) < 0.5:
+            x = -x
+        return index, x, self.y[index]
+
+
+def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
+    device = distributed.init_process_group(local_rank, world_size)  # a GPU where test_gpu.py runs it
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)  # bitwise on a GPU also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Dropout(args.dropout),
+                                torch.nn.Linear(16, 1)).double().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = Augmented() if args.augment == "global" else distributed.seeded_dataset(Augmented(), seed=3)
+    sampler = distributed.data_sampler(data, True, shuffle=True, seed=1)
+    loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
+                        persistent_workers=args.persistent)
+    torch.manual_seed(1234 + distributed.get_rank())  # dropout masks of each rank's own
+    trained = {}
+    try:
+        ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.accum,
+                            settings={"augment": args.augment}, check_every=1)
+        ddp = DDP(model) if distributed.get_world_size() > 1 else model
+        steps_here = 0
+        for _ in ckpt.epochs(2):
+            done = ckpt.epoch_steps * args.accum  # batches trained before a mid-epoch resume (the sampler skips them)
+            batches = done + len(loader)
+            for i, (indices, x, y) in enumerate(loader, start=done):
+                indices, x, y = indices.to(device), x.to(device), y.to(device)
+                rows = torch.cat([indices.double().unsqueeze(1), x], 1)
+                gathered = distributed.all_gather(rows)  # same shape on every rank: equal batches
+                syncing = (i + 1) % args.accum == 0 or i + 1 == batches  # an epoch's last group may be short
+                group = min(args.accum, batches - i // args.accum * args.accum)
+                with ddp.no_sync() if isinstance(ddp, DDP) and not syncing else contextlib.nullcontext():
+                    (F.mse_loss(ddp(x), y) / group).backward()
+                step = ckpt.steps + 1
+                everything = gathered.flatten(0, 1)
+                trained[step] = torch.cat([trained.get(step, everything[:0]), everything])
+                if syncing:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    steps_here += 1
+                    if steps_here == args.stop and distributed.get_rank() == min(1, world_size - 1):
+                        os.kill(os.getpid(), signal.SIGUSR1)
+                    ckpt.step()
+        distributed.save_checkpoint({"model": {k: v.cpu() for k, v in model.state_dict().items()}}, args.out)
+    finally:
+        if distributed.is_primary():  # what this run trained, step by step, added to the earlier runs'
+            log = args.out + ".steps"
+            previous = torch.load(log) if os.path.exists(log) else {}
+            ordered = {step: rows[rows[:, 0].argsort()].cpu() for step, rows in trained.items()}
+            torch.save({**previous, **ordered}, log)
+        distributed.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("snapshot")
+    p.add_argument("out")
+    p.add_argument("nprocs", type=int)
+    p.add_argument("batch", type=int)
+    p.add_argument("stop", type=int)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--augment", choices=["global", "seeded"], default="global")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--persistent", action="store_true")
+    p.add_argument("--accum", type=int, default=1)
+    args = p.parse_args()
+    distributed.launch(worker, args, nprocs=args.nprocs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Exact resume with real training's randomness (checkpointer.Checkpointer, distributed.seeded_dataset).
+
+rank_scripts/random_loop.py trains 2 epochs over data_sampler with a random augmentation in __getitem__ (torch's
+global generator, as torchvision's transforms draw), optionally dropout, DataLoader workers and gradient
+accumulation; rank 1 signals itself mid-epoch, and the same command resumes. Each run's rank 0 logs what every
+global step trained on (every rank's (index, input) rows, sorted by index), so a resumed run is compared with an
+uninterrupted one step by step, at the same or at another world size, and by its final weights.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpointer
+import distributed
+from harness import SCRIPTS, assert_bitwise_equal
+
+pytestmark = pytest.mark.slow  # every test here but one starts launch() jobs
+
+
+def random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batch: int, stop: int,
+                *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
+               str(nprocs), str(batch), str(stop), *flags]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+
+def trained(directory: Path, out: str) -> tuple[dict, dict]:
+    """(what each global step trained on, the final weights) of a run that wrote ``out``."""
+    return torch.load(directory / f"{out}.steps"), distributed.load_checkpoint(directory / out)["model"]
+
+
+def stop_and_resume(tmp_path: Path, flags: list[str], stop: int = 5) -> tuple[dict, dict]:
+    """The loop at world 2 stopped by SIGUSR1 after step ``stop`` of epoch 1, then resumed to the end."""
+    stopped = random_loop(tmp_path, "snap.pt", "resumed.pt", 2, 16, stop, *flags)
+    assert stopped.returncode == 138, stopped.stderr
+    assert f"stopped by SIGUSR1 after step {stop} of epoch 1; saved to" in stopped.stdout, stopped.stdout
+    resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", 2, 16, 0, *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"in epoch 1 after step {stop} (saved at world size 2)" in resumed.stdout, resumed.stdout
+    return trained(tmp_path, "resumed.pt")
+
+
+def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
+    """Dropout 0.2 and an augmentation drawing from the rank's global generator (num_workers=0). Before, the
+    resumed epoch's new DataLoader iterator drew its workers' base seed from the restored generator, shifting
+    every later mask and augmentation by one draw: the data and the weights differed."""
+    flags = ["--dropout", "0.2", "--augment", "global"]
+    assert random_loop(tmp_path, "never.pt", "straight.pt", 2, 16, 0, *flags).returncode == 0
+    steps, model = stop_and_resume(tmp_path, flags)
+    expected_steps, expected_model = trained(tmp_path, "straight.pt")
+    assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    assert_bitwise_equal(model, expected_model, "final model")
+
+
+SEEDED = ["--augment", "seeded", "--workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def seeded_runs(tmp_path_factory) -> Path:
+    """The augmentation through seeded_dataset in 2 DataLoader workers per rank, no dropout: an uninterrupted
+    run at world 2 (straight.pt) and a snapshot stopped after step 5 of epoch 1 (snap.pt, its steps logged)."""
+    tmp = tmp_path_factory.mktemp("seeded")
+    assert random_loop(tmp, "never.pt", "straight.pt", 2, 16, 0, *SEEDED).returncode == 0
+    stopped = random_loop(tmp, "snap.pt", "resumed.pt", 2, 16, 5, *SEEDED)
+    assert stopped.returncode == 138 and "after step 5 of epoch 1" in stopped.stdout, stopped.stderr
+    return tmp
+
+
+@pytest.mark.parametrize("nprocs, batch, flags", [(2, 16, []), (2, 16, ["--persistent"]), (1, 32, []), (4, 8, [])],
+                         ids=["world-2", "world-2-persistent-workers", "world-1", "world-4"])
+def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, tmp_path, nprocs, batch, flags):
+    """Resumed from the world-2 snapshot at the same global batch (32): every step trains on exactly the
+    uninterrupted run's samples and augmentations, whichever rank and worker reads them (persistent workers
+    keep their dataset across the epoch boundary: the epoch still reaches them). At world 2 the weights are
+    bitwise the uninterrupted run's; at 1 and 4 equal up to the order of the gradient sums (float64: 1e-9)."""
+    shutil.copy(seeded_runs / "snap.pt", tmp_path / "snap.pt")
+    shutil.copy(seeded_runs / "resumed.pt.steps", tmp_path / "resumed.pt.steps")  # steps 1-5, before the stop
+    resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", nprocs, batch, 0, *SEEDED, *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    steps, model = trained(tmp_path, "resumed.pt")
+    expected_steps, expected_model = trained(seeded_runs, "straight.pt")
+    assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    if nprocs == 2:
+        assert_bitwise_equal(model, expected_model, "final model")
+    for key, value in expected_model.items():
+        torch.testing.assert_close(model[key], value, rtol=1e-9, atol=1e-9)
+
+
+def test_a_resumed_optimizer_keeps_its_state_where_a_fresh_one_does(tmp_path, stop_signals_restored):
+    """A snapshot is loaded onto the CPU and each object's load_state_dict places its tensors: Adam's step
+    counters stay where a fresh Adam keeps them (the CPU; on a GPU, moved there, foreach Adam would sync with the
+    host for every parameter at every step, pytorch/pytorch#128208; test_gpu.py checks that case)."""
+    def adam_after_one_step() -> torch.optim.Adam:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = adam_after_one_step()
+    checkpointer.Checkpointer(tmp_path / "snap.pt", model, optimizer).save()
+    fresh_model, fresh = adam_after_one_step()
+    resumed_model = torch.nn.Linear(3, 2)
+    resumed = torch.optim.Adam(resumed_model.parameters())
+    checkpointer.Checkpointer(tmp_path / "snap.pt", resumed_model, resumed)
+    where = lambda opt: [(k, v.device, v.dtype) for s in opt.state.values() for k, v in s.items()]  # noqa: E731
+    assert where(resumed) == where(fresh) and where(fresh)
