@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Iterator
 
 import torch
@@ -48,12 +49,14 @@ class Checkpointer:
                 ckpt.step()
 
         state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
-        ckpt = Checkpointer("ckpt.pt", model, optimizer, state=state)
-        while ckpt.steps < max_iters:
+        ckpt = Checkpointer("ckpt.pt", model, optimizer, batch_size=batch_size, state=state)
+        for iter_num in ckpt.iterations(max_iters):  # from the snapshot's step; saves after the last
             ...; optimizer.step(); scheduler.step()
-            ckpt.step()
+            ckpt.step()                     # the iteration's last statement
 
-    Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
+    Construct it after the model is on its device and the optimizer and any LR scheduler exist (their state is
+    restored into them), and before DDP wraps the model (DDP broadcasts rank 0's weights as it wraps: they must be
+    the restored ones). Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
     (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what defines the
     run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
     optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
@@ -61,12 +64,18 @@ class Checkpointer:
     rank its own, at another world size rank 0's), and gives a loader without a ``generator`` one of its own (its
     iterator then draws nothing from the global generator). Then it calls ``handle_stop_signals()``.
 
-    ``epochs(n)`` snapshots at every epoch's end. ``step()``: a snapshot every ``save_every`` steps (0: none),
-    and every ``check_every`` steps one all-reduce asks whether any rank got a stop signal: then every rank
-    saves this step, the primary requeues the job (under SLURM, for the time limit's warning USR1/USR2 only,
-    not SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and every rank raises
-    Stopped (exit 128 + the signal, 75 if the requeue failed). A mid-epoch snapshot resumes at another number
-    of processes with the same global batch (``loader.batch_size`` x ``grad_accum`` x processes).
+    ``epochs(n)`` and ``iterations(n)`` snapshot at every epoch's end and after the last step. ``step()``: a
+    snapshot every ``save_every`` steps (0: none) and, so that a hard kill (OOM, a lost node) loses at most that
+    much work, every ``save_interval`` seconds (0: none); about once a second (or every ``check_every`` steps)
+    one all-reduce asks whether any rank got a stop signal, timing the steps to agree on the next check: then
+    every rank saves this step, the primary requeues the job (under SLURM, for the time limit's warning
+    USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and
+    every rank raises Stopped (exit 128 + the signal, 75 if the requeue failed).
+
+    The global batch, ``batch_size`` (``loader.batch_size`` for an epoch loop; an iteration loop must pass it: the
+    samples each rank trains on per micro-batch) x ``grad_accum`` x processes, is in the snapshot: an iteration
+    loop, or an epoch loop stopped mid-epoch, resumes only with the same one (at any number of processes that
+    keeps it); at an epoch's end any may.
 
     Attributes: ``epoch`` (the epoch in progress, from 0), ``steps`` (optimizer steps in the whole run) and
     ``epoch_steps`` (optimizer steps in this epoch so far).
@@ -80,9 +89,9 @@ class Checkpointer:
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None, grad_accum: int = 1,
-                 settings: dict | None = None, state: dict | None = None, save_every: int = 0,
-                 check_every: int = 100, max_requeues: int = 20):
+                 optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None, batch_size: int | None = None,
+                 grad_accum: int = 1, settings: dict | None = None, state: dict | None = None, save_every: int = 0,
+                 save_interval: float = 1800.0, check_every: int | None = None, max_requeues: int = 20):
         self.path = os.fspath(path) if path else None
         self.model = distributed.unwrap(model)
         self.optimizer = optimizer
@@ -90,21 +99,36 @@ class Checkpointer:
         self.settings = dict(settings or {})
         self.state = {} if state is None else state
         self.save_every = save_every
+        self.save_interval = save_interval
         self.check_every = check_every
         self.max_requeues = max_requeues
         self.epoch = 0
         self.steps = 0
         self.epoch_steps = 0
+        if batch_size is None:
+            batch_size = getattr(loader, "batch_size", None)
         limits = {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0), "check_every": (check_every, 1),
-                  "max_requeues": (max_requeues, 0)}
+                  "max_requeues": (max_requeues, 0), "batch_size": (batch_size, 1)}
         for name, (value, low) in limits.items():
+            if value is None and name in ("check_every", "batch_size"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+        if isinstance(save_interval, bool) or not isinstance(save_interval, (int, float)) or not save_interval >= 0:
+            raise ValueError(f"Checkpointer: save_interval must be a number of seconds >= 0, got: {save_interval!r}")
+        if path and loader is None and batch_size is None:
+            raise ValueError("Checkpointer: an iteration loop (no loader=) needs batch_size=, the samples each rank "
+                             "trains on per micro-batch, so that a resume at another global batch is refused (an "
+                             "epoch loop passes loader=)")
+        loader_batch = getattr(loader, "batch_size", None)
+        if loader_batch is not None and batch_size != loader_batch:
+            raise ValueError(f"Checkpointer: batch_size={batch_size} but loader.batch_size={loader_batch}; leave "
+                             "batch_size out when you pass a loader")
         if distributed.launch_mode() != "single" and not dist.is_initialized():
             # Without a group every rank would restore as a world of one: rank 0's RNG, a wrong global batch.
             raise RuntimeError("Checkpointer: no process group yet; construct it after "
                                "distributed.init_process_group()")
-        self._per_step = (getattr(loader, "batch_size", None) or 0) * grad_accum  # samples a rank reads per step
+        self._per_step = (batch_size or 0) * grad_accum  # samples a rank reads per optimizer step
         # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
         distributed.check_weights_only(self.settings, "Checkpointer: settings")
         distributed.check_weights_only(_state_dicts(self.state), "Checkpointer: state")
@@ -118,6 +142,9 @@ class Checkpointer:
         if saved is not None:
             self._restore(saved)
         self._resumed_at = self.steps
+        self._next_check = self.steps + (check_every or 1)  # unless given, the first check times one step
+        self._checked_step = self.steps
+        self._checked_at = self._saved_at = time.monotonic()
         handle_stop_signals()
 
     def epochs(self, epochs: int) -> Iterator[int]:
@@ -148,16 +175,47 @@ class Checkpointer:
             if self.path:
                 self.save()
 
+    def iterations(self, iterations: int) -> Iterator[int]:
+        """The optimizer steps left to train, ``steps`` for each; after the last, a snapshot, so that the same
+        command run again finds the run finished. Call ``step()`` at the end of every iteration."""
+        while self.steps < iterations:
+            before = self.steps
+            yield self.steps
+            if self.steps != before + 1:
+                raise RuntimeError(f"Checkpointer.iterations: call ckpt.step() once at the end of every iteration "
+                                   f"(after the optimizer step); steps went from {before} to {self.steps}")
+        if self.path:
+            self.save()
+
     def step(self) -> None:
         """After every optimizer step, on all ranks: snapshots, and a stop when any rank got a signal."""
         self.steps += 1
         self.epoch_steps += 1
         if self.path and self.save_every and self.steps % self.save_every == 0:
             self.save()
-        if self.steps % self.check_every == 0:
-            signum = stop_requested()
-            if signum:
-                self._stop(signum)
+        if self.steps < self._next_check:
+            return
+        signum, save_due = self._check()
+        if signum:
+            self._stop(signum)
+        elif save_due:
+            self.save()
+
+    def _check(self) -> tuple[signal.Signals | None, bool]:
+        """One all-reduce, on all ranks: the stop signal any rank got, whether a timed save is due, and the
+        slowest rank's time since the last check, from which every rank computes the same next check."""
+        now = time.monotonic()
+        due = bool(self.path and self.save_interval and now - self._saved_at >= self.save_interval)
+        values = distributed.reduce(torch.tensor([_recorder().received, due, now - self._checked_at],
+                                                 dtype=torch.float64), "max").tolist()
+        if self.check_every:
+            self._next_check = self.steps + self.check_every
+        else:  # about _CHECK_S apart, whether a step takes a millisecond or a minute
+            per_step = max(values[2], 1e-9) / (self.steps - self._checked_step)
+            self._next_check = self.steps + max(1, min(int(_CHECK_S / per_step), 100_000))
+        self._checked_at = now
+        self._checked_step = self.steps
+        return (signal.Signals(int(values[0])) if values[0] else None), bool(values[1])
 
     def save(self) -> None:
         """Write the snapshot now (atomically); must be called on all ranks."""
@@ -168,11 +226,13 @@ class Checkpointer:
             cuda = torch.cuda.get_rng_state()
         ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda, "loader_rng": self._loader_rng,
                                     "state": _state_dicts(self.state)})
+        self._saved_at = time.monotonic()
         distributed.save_checkpoint({"model": self.model.state_dict(),
                                      "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                                      "steps": self.steps, "epoch": self.epoch, "epoch_steps": self.epoch_steps,
                                      "global_batch": self._per_step * distributed.get_world_size(),
                                      "settings": self.settings, "ranks": ranks}, self.path)
+        distributed.report_progress(f"its last snapshot: step {self.steps}, {self.path}")
 
     def _restore(self, saved: dict) -> None:
         _check_resumable(self.path, saved, self.settings, self._per_step * distributed.get_world_size())
@@ -259,11 +319,7 @@ def stop_requested() -> signal.Signals | None:
     one all-reduce. Call it on all ranks at the same step boundary, so that all save the same step and exit
     alike (Checkpointer.step() does), after handle_stop_signals(). Of different signals SIGTERM wins (scancel
     sends it)."""
-    recorder = signal.getsignal(signal.SIGTERM)
-    if not isinstance(recorder, _StopRecorder):
-        raise RuntimeError("stop_requested: the stop signals are not handled here, so one would end the process "
-                           "before it is asked for; call checkpointer.handle_stop_signals() first, on every rank")
-    received = int(distributed.reduce(recorder.received, "max"))
+    received = int(distributed.reduce(_recorder().received, "max"))
     return signal.Signals(received) if received else None
 
 
@@ -289,8 +345,17 @@ def requeue() -> bool:
 
 
 # ============ Internals (not the API) =======================================================
+_CHECK_S = 1.0  # seconds between stop checks when check_every is not given: well within SLURM's 30-s KillWait
 _CHUNK = 16 << 20  # bytes of each rank's state per gather when a save collects them
 _SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
+
+
+def _recorder() -> _StopRecorder:
+    recorder = signal.getsignal(signal.SIGTERM)
+    if not isinstance(recorder, _StopRecorder):
+        raise RuntimeError("stop_requested: the stop signals are not handled here, so one would end the process "
+                           "before it is asked for; call checkpointer.handle_stop_signals() first, on every rank")
+    return recorder
 
 
 class _StopRecorder:

@@ -87,7 +87,7 @@ __all__ = [
     "data_sampler", "seeded_dataset",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap",
-    "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked",
+    "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked", "report_progress",
 ]
 
 # gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
@@ -122,10 +122,10 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     _check_spawnable(worker, args)
     processes: list = []  # filled below: the signal handlers forward to them
     # Exit order matters: the workers are gone before the launcher dies of a forwarded signal.
-    with _forwarding_stop_signals(processes, grace) as received, \
+    with _forwarding_stop_signals(processes, grace) as stopping, \
             contextlib.closing(start_workers(worker, nprocs, *args)) as workers:
         processes += workers.processes
-        workers.join(received)
+        workers.join(stopping)
     if stopped := [p.exitcode for p in processes if p.exitcode in _STOP_EXITS]:
         raise SystemExit(stopped[0])  # every rank stopped at a signal, saved and exited with this code
 
@@ -419,6 +419,19 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def report_progress(text: str) -> None:
+    """Leave ``text`` (one line: the last step saved, say) where launch() reads it should it have to kill this
+    rank: after a stop signal's grace, or when it dies; the report then says what was lost. Not a collective; it
+    does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
+    directory = os.environ.get(_JOB_DIR_ENV)
+    if directory is None or launch_mode() != "spawn":
+        return
+    path = os.path.join(directory, f"rank{get_rank()}.progress")
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)  # the launcher never reads half a line
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -773,17 +786,20 @@ class _Workers:
             p.start()
             self.processes.append(p)
 
-    def join(self, stopping: list | None = None) -> None:
-        """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that
-        exits with 128 + a stop signal's number, or any way without an error once ``stopping`` holds a
-        forwarded signal, did not fail."""
+    def join(self, stopping: _Stopping | None = None) -> None:
+        """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that exits
+        with 128 + a stop signal's number (or REQUEUE_EXIT), or dies of a signal ``stopping`` forwarded, did not
+        fail; one that ``stopping`` had to kill after its grace did: its unsaved work is lost."""
         pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
                 self.processes[rank].join()
-                stopped = self.processes[rank].exitcode in _STOP_EXITS or stopping and self._report(rank) is None
-                if self.processes[rank].exitcode != 0 and not stopped:
+                code = self.processes[rank].exitcode
+                forwarded = stopping is not None and -code in stopping.received and rank not in stopping.killed
+                if code != 0 and code not in _STOP_EXITS and not forwarded:
+                    if stopping is not None and rank in stopping.killed:
+                        raise self._killed_after_grace(stopping)
                     seen_at = time.time()
                     reports = [report for report in map(self._report, range(len(self.processes))) if report]
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
@@ -792,6 +808,22 @@ class _Workers:
                     stacks = self._stacks() if timed_out else None  # before the others are stopped
                     _terminate(self.processes)
                     raise self._root_cause(rank, seen_at, time.time(), stacks)
+
+    def _killed_after_grace(self, stopping: _Stopping) -> WorkerFailed:
+        for p in self.processes:
+            p.join()  # the deadline killed them all at once
+        lost = "; ".join(f"rank {rank}: {self._progress(rank) or 'it reported no snapshot'}"
+                         for rank in stopping.killed)
+        return WorkerFailed(f"rank(s) {stopping.killed} had not exited {stopping.grace:g} s after "
+                            f"{signal.Signals(stopping.received[0]).name} and were killed: what they did since "
+                            f"their last snapshot is lost ({lost}). Stop sooner (a Checkpointer checks about every "
+                            "second), save faster, or give launch() a longer grace", stopping.killed[0])
+
+    def _progress(self, rank: int) -> str:
+        """What the rank last said of its progress (report_progress), "" if nothing."""
+        with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.progress")) as f:
+            return f.read()
+        return ""
 
     def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
@@ -859,6 +891,8 @@ class _Workers:
             return WorkerFailed(f"rank {rank} exited with code {exitcode} without a Python exception", rank)
         name = signal.Signals(-exitcode).name
         message = f"rank {rank} was killed by signal {name}{_SIGNAL_HINTS.get(name, '')}"
+        if self._progress(rank):
+            message += f" ({self._progress(rank)})"
         stack = self._read_stack(rank)
         frames = _user_frames(stack)[1]
         if frames:
@@ -984,38 +1018,54 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
 _STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), REQUEUE_EXIT)
 
 
+class _Stopping:
+    """What launch()'s handler of the stop signals did: the signals it forwarded, the ranks it killed after the
+    grace (they had not exited: their unsaved work is lost)."""
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self.received: list[int] = []
+        self.killed: list[int] = []
+
+
 @contextlib.contextmanager
-def _forwarding_stop_signals(processes: list, grace: float):
+def _forwarding_stop_signals(processes: list, grace: float) -> Iterator[_Stopping]:
     """While the workers run, a stop signal goes on to each of them, and SIGKILL ``grace`` seconds after
-    the first; yields the list of signals received. Afterwards, unless a rank failed, the launcher dies
-    of the first one, as its sender expects (exit code 128 + its number)."""
+    the first. Afterwards, unless a rank failed, the launcher dies of the first one, as its sender expects
+    (exit code 128 + its number)."""
+    stopping = _Stopping(grace)
     if threading.current_thread() is not threading.main_thread():
-        yield []  # signal handlers can only be installed in the main thread
+        yield stopping  # signal handlers can only be installed in the main thread
         return
-    received: list[int] = []
-    deadline = threading.Timer(grace, lambda: [p.kill() for p in processes if p.exitcode is None])
+
+    def kill_the_rest() -> None:
+        stopping.killed += [rank for rank, p in enumerate(processes) if p.exitcode is None]
+        for rank in stopping.killed:
+            processes[rank].kill()
+
+    deadline = threading.Timer(grace, kill_the_rest)
     deadline.daemon = True
 
     def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
+        stopping.received.append(signum)
         for p in processes:
             with contextlib.suppress(ProcessLookupError):
                 if p.exitcode is None:  # a reaped worker's pid may be someone else's by now
                     os.kill(p.pid, signum)
-        if len(received) == 1:
+        if len(stopping.received) == 1:
             deadline.start()
 
     previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
-        yield received
+        yield stopping
     finally:
         deadline.cancel()
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         # A rank that raised is the root cause, signal or not: its error propagates instead of the signal.
-        if received and sys.exception() is None:
+        if stopping.received and sys.exception() is None:
             shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
-            signal.raise_signal(received[0])
+            signal.raise_signal(stopping.received[0])
 
 
 def _terminate(processes: list) -> None:

@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     flag("--timeout", float, 300.0, "seconds a collective waits for a stuck rank")
     flag("--save-model", writable, None, "write the final weights to this PATH")
     flag("--snapshot", writable, None, "save training state to this PATH; resume if it exists")
-    flag("--check-every", int, 100, "optimizer steps between checks for a stop signal (one all-reduce)")
+    flag("--check-every", int, None, "optimizer steps between checks for a stop signal; None: about 1 s apart")
     flag("--workers", int, 0, "DataLoader worker processes per rank")
     flag("--train-size", int, 16384, "samples of synthetic training data")
     flag("--config", str, None, "settings from FILE.json, keyed by the flags' names; flags override")

@@ -32,17 +32,17 @@ def worker(local_rank, world_size, backend, snapshot, behaviour):
     check(loaded["steps"], torch.arange(3), device)
     torch.set_rng_state(loaded["rng"].cpu())            # generator states go back to the CPU
     model, kept = torch.nn.Linear(2, 1).to(device), {"cpu": torch.ones(2), "gpu": torch.ones(2, device=device)}
-    checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept).save()
+    checkpointer.Checkpointer(snapshot + ".ckpt", model, batch_size=1, state=kept).save()
     kept = {"cpu": torch.zeros(2), "gpu": torch.zeros(2, device=device)}
-    checkpointer.Checkpointer(snapshot + ".ckpt", model, state=kept)  # restores kept in place
+    checkpointer.Checkpointer(snapshot + ".ckpt", model, batch_size=1, state=kept)  # restores kept in place
     check(kept["cpu"], torch.ones(2), torch.device("cpu"))         # each tensor where the user keeps it
     check(kept["gpu"], torch.ones(2), device)
     adam = torch.optim.Adam(model.parameters())          # a resumed Adam keeps its step counters on the CPU,
     model(torch.ones(1, 2, device=device)).sum().backward()  # as a fresh one does (else foreach Adam syncs)
     adam.step()
-    checkpointer.Checkpointer(snapshot + ".adam", model, adam).save()
+    checkpointer.Checkpointer(snapshot + ".adam", model, adam, batch_size=1).save()
     resumed = torch.optim.Adam(model.parameters())
-    checkpointer.Checkpointer(snapshot + ".adam", model, resumed)
+    checkpointer.Checkpointer(snapshot + ".adam", model, resumed, batch_size=1)
     where = lambda opt: [(k, v.device) for s in opt.state.values() for k, v in sorted(s.items())]  # noqa: E731
     assert where(resumed) == where(adam) and ("step", torch.device("cpu")) in where(adam), where(resumed)
     if behaviour == "raise" and rank == 1:

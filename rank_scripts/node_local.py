@@ -11,7 +11,7 @@ def worker(local_rank, world_size, directory):
     path = os.path.join(directory, f"node{distributed.get_rank()}", "snap.pt")  # each rank's local disk
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        ckpt = checkpointer.Checkpointer(path, model, check_every=1)
+        ckpt = checkpointer.Checkpointer(path, model, batch_size=1, check_every=1)
         ckpt.step()
         ckpt.save()
     finally:

@@ -11,6 +11,7 @@ def worker(local_rank, world_size, path):
     distributed.save_checkpoint({"version": 1}, path)
     checkpointer.handle_stop_signals()
     distributed.barrier()  # every rank's handlers are in place before the test signals
+    distributed.report_progress("saved version 1")
     print("saved version 1", flush=True)
     while not checkpointer.stop_requested():
         time.sleep(0.05)

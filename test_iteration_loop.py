@@ -1,0 +1,125 @@
+"""A user's own iteration loop on a Checkpointer, as nanoGPT writes it (rank_scripts/own_loop.py): no epochs, no
+sampler, per-rank random batches, a Generator and a tensor of the user's in `state`. Stops and resumes bitwise,
+at its own cadence whatever a step takes, refuses another global batch, gives new ranks random states of their
+own, finishes once, and bounds what a hard kill loses.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+import distributed
+from harness import SCRIPTS, assert_bitwise_equal, default_sigint
+
+pytestmark = pytest.mark.slow  # every test here starts launch() jobs
+
+OWN_LOOP = SCRIPTS / "own_loop.py"
+
+
+def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_12(tmp_path_factory) -> Path:
+    """An uninterrupted run (straight.pt) and a snapshot of the same loop stopped after step 12 (snap.pt)."""
+    tmp = tmp_path_factory.mktemp("own-loop")
+    straight = own_loop(tmp, "never.pt", "straight.pt")
+    assert straight.returncode == 0, straight.stderr
+    stopped = own_loop(tmp, "snap.pt", "unused.pt", "--stop", "12", "--check-every", "1")
+    assert stopped.returncode == 138, stopped.stderr
+    assert "stopped by SIGUSR1 after step 12; saved to" in stopped.stdout, stopped.stdout
+    return tmp
+
+
+def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_12, tmp_path):
+    """The model, AdamW's state, each rank's generator (its next random batch), and the user's state (the best
+    loss, a sum, the LR scheduler's position, a Generator, and a tensor the loop updates through its own name,
+    restored in place) come back: bitwise the uninterrupted run. The finished snapshot says so: the same
+    command run again (a requeue after the end) trains no step."""
+    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
+    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {tmp_path / 'snap.pt'} after step 12 (saved at world size 2)" in resumed.stdout
+    assert "trained 18 iterations" in resumed.stdout
+    expected = distributed.load_checkpoint(stopped_at_12 / "straight.pt")
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "resumed.pt"), expected, "final model and state")
+    again = own_loop(tmp_path, "snap.pt", "again.pt")
+    assert again.returncode == 0 and "after step 30" in again.stdout and "trained 0 iterations" in again.stdout, \
+        again.stdout
+
+
+def test_own_loop_resumed_at_4_gives_every_rank_its_own_batches(stopped_at_12, tmp_path):
+    """Resumed at world 4 with the same global batch (4 x 8 = 2 x 16): ranks 0 and 1 keep their generators, and
+    ranks 2 and 3 get states of their own from the snapshot and their rank, never rank 0's (every rank drawing
+    rank 0's batches would train on one batch 4 times)."""
+    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
+    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt", "--nprocs", "4", "--batch", "8")
+    assert resumed.returncode == 0, resumed.stderr
+    first = re.search(r"first batches: (.*)", resumed.stdout).group(1).split()
+    assert len(set(first)) == 4, resumed.stdout
+
+
+def test_own_loop_resumed_at_another_global_batch_is_refused(stopped_at_12, tmp_path):
+    """Stopped at 2 x 16, resumed at 1 x 16: half the global batch, which the loop would take silently."""
+    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
+    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt", "--nprocs", "1")
+    assert resumed.returncode == 1
+    assert "with a global batch (batch size x grad_accum x processes) of 32 samples, and this run's is 16" \
+        in resumed.stderr, resumed.stderr
+    assert "at 1 process(es), batch size x grad_accum = 32 per process" in resumed.stderr
+
+
+def signal_once_printed(command: list[str], cwd: Path, line: str, signum: int, group: bool = False,
+                        timeout: float = 60) -> tuple[int, str, str, float]:
+    """Run ``command``; once it prints ``line``, send it (or its whole process group) ``signum``; then
+    (exit code, stdout, stderr, seconds from the signal to the exit)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + timeout
+        while line not in proc.stdout.readline():
+            assert proc.poll() is None and time.monotonic() < deadline, f"never printed {line!r}"
+        sent = time.monotonic()
+        os.killpg(proc.pid, signum) if group else os.kill(proc.pid, signum)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_path):
+    """Steps of 0.3 s and check_every left alone: the ranks time their steps and check about once a second, so
+    SIGTERM to the launcher at iteration 5 stops them a few steps later, saved. Before, the check came every 100
+    steps (30 s here): the launcher SIGKILLed the ranks after its grace, unsaved, and exited as a clean stop."""
+    command = [sys.executable, str(OWN_LOOP), str(tmp_path / "snap.pt"), str(tmp_path / "out.pt"), "--sleep", "0.3",
+               "--iters", "200"]
+    code, out, err, seconds = signal_once_printed(command, tmp_path, "iteration 5", signal.SIGTERM)
+    assert code == -signal.SIGTERM, err
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+); saved to", out).group(1))
+    assert 5 <= stopped <= 12, out
+    assert distributed.load_checkpoint(tmp_path / "snap.pt")["steps"] == stopped
+
+
+def test_a_hard_kill_loses_at_most_the_save_interval(tmp_path):
+    """An iteration loop saves every save_interval seconds by itself (default 30 min; 1 s here, steps of 0.05 s):
+    SIGKILL to the whole job after 40 iterations leaves a snapshot at most about a second old, and the same
+    command resumes from it. Before, an iteration loop saved nothing until it stopped."""
+    command = [sys.executable, str(OWN_LOOP), str(tmp_path / "snap.pt"), str(tmp_path / "out.pt"), "--sleep", "0.05",
+               "--iters", "1000", "--save-interval", "1"]
+    code, out, err, _ = signal_once_printed(command, tmp_path, "iteration 40", signal.SIGKILL, group=True)
+    assert code == -signal.SIGKILL
+    saved = distributed.load_checkpoint(tmp_path / "snap.pt")["steps"]
+    assert 10 <= saved <= 40, saved
+    resumed = own_loop(tmp_path, "snap.pt", "out.pt", "--iters", str(saved + 2))
+    assert resumed.returncode == 0 and f"after step {saved} " in resumed.stdout, resumed.stderr
