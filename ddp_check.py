@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import multiprocessing.connection
+import os
 import pickle
 import tempfile
 import time
@@ -40,13 +41,15 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data.dataloader import default_collate
 
 import distributed
 
-__all__ = ["assert_ddp_equivalent", "check_equivalence", "worker_pools", "WorkerPools", "PoolError", "TIMEOUT_S"]
+__all__ = ["assert_ddp_equivalent", "assert_step_equivalent", "check_equivalence", "worker_pools", "WorkerPools",
+           "PoolError", "TIMEOUT_S"]
 
 TIMEOUT_S = 60.0            # a call that takes longer on some rank is a hang: its pool is restarted
 _GROUP_TIMEOUT_S = 30.0     # a collective stuck this long fails inside the ranks too
@@ -71,7 +74,8 @@ def assert_ddp_equivalent(make_model: Callable[[], nn.Module], make_data: Callab
     itself is then unchecked, and so is a probability kept as a plain number and passed to a
     function (F.dropout, scaled_dot_product_attention's dropout_p): set that to 0 in make_model.
     ddp_options: passed to every rank's DDP(...), as in your training code (find_unused_parameters=True,
-    broadcast_buffers=False, static_graph=True, ...).
+    forward_sync_buffers=False, gradient_as_bucket_view=True, static_graph=True, ...; torch 2.13 deprecates
+    broadcast_buffers, and static_graph fails with no_sync accumulation: pytorch/pytorch#143580).
     """
     check_equivalence(make_model, make_data, loss_fn, make_optimizer or _sgd, world_sizes=world_sizes,
                       steps=steps, batch_size=batch_size, seed=seed, disable_dropout=disable_dropout,
@@ -102,6 +106,265 @@ def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callab
             raise AssertionError(_rank_failure(world, e, suspects)) from None
         _compare(world, records[world], reference, suspects, rtol)
     return records
+
+
+# ------------------------------ Your whole step: accumulation, scaling, clipping -------------
+_SCALE = 2.0 ** 10        # the second loss scale: a power of two, exact in float64
+_MIXED_RTOL = 0.1         # bf16 smoke test: each gradient's error norm within 10% of its norm (see below)
+
+
+def assert_step_equivalent(make_model: Callable[[], nn.Module], make_data: Callable[[], Any],
+                           train_step: Callable[..., Any], *,
+                           make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                           world_sizes: tuple[int, ...] = (2, 3), accum: int | Callable[[], int] = 2,
+                           batch_size: int = 2, steps: int = 3, seed: int = 0, disable_dropout: bool = False,
+                           mixed_precision: bool = False, compile_model: str | None = None,
+                           accept_sync_every_micro_step: bool = False, **ddp_options: Any) -> None:
+    """Raise AssertionError, naming the likely cause, when ``train_step`` trains differently under DDP than in one
+    process: the DDP bugs that live in a loop's step (accumulation, loss scaling, clipping), not in the model.
+
+    train_step(model, optimizer, scaler, micro_batches, step): one optimizer step copied from your loop. ``model``
+    is the DDP-wrapped model, ``micro_batches`` a list of ``accum`` batches of ``batch_size`` samples for this
+    rank (collated as assert_ddp_equivalent does), ``scaler`` a torch.amp.GradScaler the step must use if it
+    scales the loss (the check chooses its scale), ``step`` the step index (for your LR schedule). What
+    assert_ddp_equivalent says of top-level callables, float64 and the tolerance holds here too.
+
+    Four runs per world size W localise a difference: W ranks through DDP; one process with the same
+    micro-batch structure (each micro-batch the union of the ranks'); the same at a second loss scale; one
+    process on the whole batch at once. A hook on DDP's all-reduce records which micro-step synchronised and
+    the gradients it averaged (before any clipping), and every parameter's gradient hook which got none.
+    accum: an int, or a zero-argument function computing it as your script does: it is evaluated for each
+    world size with WORLD_SIZE set and one process per node (LOCAL_WORLD_SIZE=1, no GPU), and must keep the
+    global batch (batch_size x accum x W) the same. mixed_precision=True: a smoke test of the model in float32
+    under torch.autocast("cpu", dtype=torch.bfloat16), comparing only the first step's gradients, each
+    tensor's error norm within 10% of its norm (bf16 rounds to 3 significant digits: 1% per tensor is ordinary
+    between 1 and N processes, and every bug named here is 25% or more). compile_model: "before_ddp" or
+    "after_ddp": torch.compile (backend "eager") where your script calls it. accept_sync_every_micro_step=True:
+    a step whose every micro-step all-reduces (right values, accum x the traffic) passes. ddp_options: to DDP.
+    """
+    spec = {"make_model": make_model, "make_data": make_data, "loss_fn": None, "train_step": train_step,
+            "make_optimizer": make_optimizer or _sgd, "steps": steps, "batch": batch_size, "seed": seed,
+            "accum": 1, "epoch": 0, "shuffle": True, "after_ddp": None, "disable_dropout": disable_dropout,
+            "ddp_options": dict(ddp_options), "mixed_precision": mixed_precision, "compile_model": compile_model}
+    if compile_model not in (None, "before_ddp", "after_ddp"):
+        raise ValueError(f"compile_model must be None, 'before_ddp' or 'after_ddp', got: {compile_model!r}")
+    counts = {world: _accum_for(accum, world, batch_size) for world in world_sizes}
+    global_batches = {world: count * world * batch_size for world, count in counts.items()}
+    if callable(accum) and len(set(global_batches.values())) > 1:
+        raise AssertionError(f"the accumulation formula changes the global batch (batch_size x accum x world size) "
+                             f"with the world size: {global_batches}; likely cause: it divides by a count of one "
+                             "node's GPUs (torch.cuda.device_count(), LOCAL_WORLD_SIZE; here 1 process per node) "
+                             "instead of the world size (WORLD_SIZE, dist.get_world_size())")
+    spec["accum"] = max(counts.values())  # _check_inputs: enough samples for the largest
+    model = _check_inputs(spec, world_sizes)
+    suspects = _suspects(model) + _data_suspects(make_data)
+    for world in world_sizes:
+        spec["accum"] = counts[world]
+        runs = {}
+        for name, ranks, scale, whole in (("ddp", world, 1.0, False), ("micro", 1, 1.0, False),
+                                          ("scaled", 1, _SCALE, False), ("whole", 1, 1.0, True)):
+            plan = _step_plan(spec, world, ranks, whole)
+            try:
+                runs[name] = worker_pools().run(ranks, _step_rank, {**spec, "plan": plan, "scale": scale})
+            except PoolError as e:
+                raise AssertionError(_rank_failure(world, e, suspects)) from None
+        problem = _step_problem(world, runs, spec, suspects, accept_sync_every_micro_step)
+        if problem:
+            raise AssertionError(problem)
+
+
+def _accum_for(accum: int | Callable[[], int], world: int, batch_size: int) -> int:
+    """The accumulation count at ``world``: an int, or the user's formula evaluated as on ``world`` nodes of one
+    process each (where torch.cuda.device_count() and LOCAL_WORLD_SIZE count one node's GPUs, not the world)."""
+    if not callable(accum):
+        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+            raise ValueError(f"accum must be an integer >= 1 or a function returning one, got: {accum!r}")
+        return accum
+    saved = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    try:
+        count = accum()
+    except ZeroDivisionError as e:
+        raise AssertionError(f"the accumulation formula divided by zero at world size {world} ({e}); likely cause: "
+                             "it counts GPUs with torch.cuda.device_count() (0 here, and one node's only on a "
+                             "cluster): compute it from the world size (WORLD_SIZE, dist.get_world_size())") from e
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise AssertionError(f"the accumulation formula returned {count!r} at world size {world}: it must be an "
+                             "integer >= 1; likely cause: it divides by a count of one node's GPUs "
+                             "(torch.cuda.device_count(), LOCAL_WORLD_SIZE) instead of the world size")
+    return count
+
+
+def _step_plan(spec: dict, world: int, ranks: int, whole: bool) -> list:
+    """Each rank's micro-batches' indices, per step: the W ranks' own shards; one process's micro-batch m the
+    union of the ranks' m-th (``whole``: all of a step's in one batch)."""
+    data = spec["make_data"]()
+    shards = [_shard(data, world, rank, spec) for rank in range(world)]
+    size, accum = spec["batch"], spec["accum"]
+    plan = []
+    for rank in range(ranks):
+        steps = []
+        for step in range(spec["steps"]):
+            micro = [[shards[r][(step * accum + m) * size + i] for r in range(world) if ranks == 1 or r == rank
+                      for i in range(size)] for m in range(accum)]
+            steps.append([sum(micro, [])] if whole else micro)
+        plan.append(steps)
+    return plan
+
+
+def _step_rank(spec: dict) -> dict:
+    """On every rank of a pool: the user's step through DDP on the plan's micro-batches, recording which
+    micro-steps all-reduced, the averaged gradients, the parameters after each step, and unused parameters."""
+    rank = distributed.get_rank()
+    model = _model(spec)
+    if spec["mixed_precision"]:
+        model = model.float()
+    inner = torch.compile(model, backend="eager") if spec["compile_model"] == "before_ddp" else model
+    ddp = DDP(inner, **spec["ddp_options"])
+    wrapped = torch.compile(ddp, backend="eager") if spec["compile_model"] == "after_ddp" else ddp
+    names = {p: name for name, p in model.named_parameters()}
+    now = {"forwards": 0, "grads": {}, "got": set()}
+    record: dict[str, Any] = {"syncs": [], "grads": [], "states": [], "unused": [], "error": None}
+    model.register_forward_pre_hook(lambda *_: now.update(forwards=now["forwards"] + 1))
+    for p in names:
+        p.register_post_accumulate_grad_hook(lambda p: now["got"].add(names[p]))
+
+    def recording_allreduce(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+        now["syncs"].add(now["forwards"])
+
+        def keep(future: Any) -> torch.Tensor:
+            flat, start = future.value(), 0
+            for p in bucket.parameters():
+                now["grads"][names[p]] = flat[start:start + p.numel()].view_as(p).clone() / now["scale"]
+                start += p.numel()
+            return flat
+        return default_hooks.allreduce_hook(None, bucket).then(keep)
+    ddp.register_comm_hook(None, recording_allreduce)
+    data = spec["make_data"]()
+    optimizer = spec["make_optimizer"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=spec["scale"], growth_interval=2 ** 30)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if spec["mixed_precision"] else contextlib.nullcontext()
+    for step, micro in enumerate(spec["plan"][rank]):
+        batches = [default_collate([data[i] for i in indices]) for indices in micro]
+        if not spec["mixed_precision"]:
+            batches = [_float64(batch) for batch in batches]
+        now.update(forwards=0, grads={}, got=set(), syncs=set(), scale=scaler.get_scale())
+        try:
+            with autocast:
+                spec["train_step"](wrapped, optimizer, scaler, batches, step)
+        except Exception:
+            record["error"] = traceback.format_exc()
+            break
+        record["syncs"].append(sorted(now["syncs"]))
+        record["grads"].append(now["grads"])
+        record["states"].append(_state(model))
+        record["unused"].append(sorted(set(names.values()) - now["got"]))
+    return record
+
+
+def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], accept_every: bool) -> str | None:
+    """The first difference among the four runs, with the cause it points to; None when they agree."""
+    ddp, micro, scaled, whole = runs["ddp"], runs["micro"][0], runs["scaled"][0], runs["whole"][0]
+    accum = spec["accum"]
+    head = f"the step trains differently under DDP: world size {world}, accum {accum}, batch_size {spec['batch']}"
+    failed = [(rank, r) for rank, r in enumerate([*ddp, micro]) if r["error"]]
+    if failed:
+        rank, record = failed[0]
+        step = len(record["syncs"]) + 1  # the step that raised, from 1
+        where = f"rank {rank}" if rank < len(ddp) else "one process"
+        lines = [f"{head}: step {step} raised on {where}"]
+        unused = record["unused"][-1] if record["unused"] else []
+        if unused:
+            if accum > 1:
+                safe = "not static_graph=True: with no_sync accumulation it fails, pytorch/pytorch#143580"
+            elif all(u == unused for u in record["unused"]):
+                safe = "static_graph=True fits too: the same set is unused at every step"
+            else:
+                safe = "not static_graph=True: the set unused changes from step to step"
+            lines.append(_cause(f"{_first_few([f'`{n}`' for n in unused])} got no gradient at step {step - 1} on "
+                                f"{where} (DDP waits for every parameter): pass find_unused_parameters=True ({safe}), "
+                                "or make them take part"))
+        errors = [line for line in record["error"].rstrip().splitlines() if "Error" in line]
+        lines.append((errors or record["error"].rstrip().splitlines())[-1][:300])
+        return "\n".join(lines)
+    for step, syncs in enumerate(ddp[0]["syncs"], 1):
+        if syncs == list(range(1, accum + 1)) and accum > 1 and not accept_every:
+            return (f"{head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: the values "
+                    f"are right but it costs {accum}x the traffic\n" + _cause(
+                        "no_sync() around the backward only: DDP decides at the forward whether a backward "
+                        "all-reduces, so put the forward inside no_sync() too (or pass "
+                        "accept_sync_every_micro_step=True)"))
+        if syncs != [accum] and syncs != list(range(1, accum + 1)):
+            return (f"{head}: at step {step} DDP all-reduced at micro-step(s) {syncs or 'none'} of {accum}, not "
+                    "at the last\n" + _cause(
+                        "the sync flag decided after the forward (require_backward_grad_sync set between forward "
+                        "and backward): DDP decides at the forward, so set it before the forward of each "
+                        "micro-step (True on the last), or run the other micro-steps' forward and backward "
+                        "inside no_sync()"))
+    if _data_suspects(spec["make_data"]):
+        return f"{head}\n" + "\n".join(_cause(c) for c in _data_suspects(spec["make_data"]))
+    tolerance = _MIXED_RTOL if spec["mixed_precision"] else None
+    if not spec["mixed_precision"]:
+        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"]), 1):
+            if any(not torch.equal(a[n], b[n]) for n in a):
+                return (f"{head}: at step {step}, one process trains differently at loss scale {_SCALE:g} than at "
+                        "1 (in float64 a power-of-two scale is exact)\n" + _cause(
+                            "gradients used before scaler.unscale_(optimizer): clipping (clip_grad_norm_), a norm "
+                            "or a check on scaled gradients; call scaler.unscale_(optimizer) before clipping"))
+    problem = _compare_steps(micro, whole, tolerance, 1 if tolerance else len(whole["states"]))
+    if problem:
+        factor = _factor(micro["grads"][0], whole["grads"][0])
+        why = [f"one process with {accum} micro-batches differs from one batch of them all: {problem}"]
+        if factor is not None and accum > 1 and abs(factor / accum - 1) < 0.05:
+            why.append(_cause(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
+                              f"micro-batch's loss by their number ({accum}) before backward"))
+        return "\n".join([head, *why, *(_cause(c) for c in suspects)])
+    for step, (states, grads) in enumerate(zip(zip(*[r["states"] for r in ddp]), ddp[0]["grads"]), 1):
+        for rank, other in enumerate(states[1:], 1):
+            if any(not torch.equal(other[n], states[0][n]) for n in states[0]):
+                return (f"{head}: after step {step} rank {rank}'s parameters differ from rank 0's\n" +
+                        "\n".join(_cause(c) for c in [*suspects, "a step whose ranks diverge: DDP averages "
+                                                       "gradients only where it all-reduces"]))
+    problem = _compare_steps(ddp[0], micro, tolerance, 1 if tolerance else len(micro["states"]))
+    if problem:
+        return "\n".join([head, f"DDP differs from one process with the same micro-batches: {problem}",
+                          *(_cause(c) for c in suspects)])
+    return None
+
+
+def _compare_steps(got: dict, expected: dict, relative: float | None, steps: int) -> str | None:
+    """The first gradient (step 1) or parameter that differs: within _RTOL, or (``relative``) by norm."""
+    for name, ref in expected["grads"][0].items():
+        value = got["grads"][0].get(name)
+        if value is None or not _close(value, ref, relative):
+            return f"the gradient of `{name}` at step 1"
+    if relative is not None:
+        return None
+    for step in range(steps):
+        for name, ref in expected["states"][step].items():
+            if not _close(got["states"][step][name], ref, None):
+                return f"`{name}` after step {step + 1}"
+    return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, relative: float | None) -> bool:
+    if relative is not None:
+        return bool((a.float() - b.float()).norm() <= relative * b.float().norm() + 1e-12)
+    return bool(torch.allclose(a, b, rtol=_RTOL, atol=_RTOL * max(1.0, b.abs().max())))
+
+
+def _factor(got: dict, expected: dict) -> float | None:
+    """The factor c that best fits got = c x expected over every gradient (None when they are zero)."""
+    names = [n for n in expected if n in got]
+    if not names:
+        return None
+    return _scale(torch.cat([got[n].flatten() for n in names]), torch.cat([expected[n].flatten() for n in names]))
 
 
 # ------------------------------ Training: the ranks and the reference ------------------------
@@ -338,7 +601,8 @@ def _rank_failure(world: int, error: PoolError, suspects: list[str]) -> str:
 
 def _check_inputs(spec: dict, world_sizes: tuple[int, ...]) -> nn.Module:
     """ValueError/TypeError naming the bad value and the fix; returns the model (for diagnosis)."""
-    for arg in ("make_model", "make_data", "loss_fn", "make_optimizer", "after_ddp"):
+    for arg in ("make_model", "make_data", "train_step" if "train_step" in spec else "loss_fn", "make_optimizer",
+                "after_ddp"):
         _check_importable(arg, spec[arg])
     if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
         raise ValueError(f"world_sizes must be integers >= 1, got: {world_sizes!r}")

@@ -4,8 +4,7 @@
     python min_ddp.py --nprocs 2                        # 2 gloo processes on CPU
     torchrun --standalone --nproc_per_node=2 min_ddp.py # the same script under torchrun
     srun -n 2 python min_ddp.py                         # ... and under SLURM
-    python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then
-    python min_ddp.py --config cfg.json --epochs 3      # flags override the file
+    python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then --config cfg.json
     python min_ddp.py --snapshot run.pt --epochs 10     # resumes if run.pt exists; SIGTERM/USR1/USR2 save there, exit
 
 Prints each rank's and the global loss/accuracy every --log-every steps, and an exact validation every epoch.
@@ -17,8 +16,7 @@ import sys
 import time
 import warnings
 
-# torch warns at import that numpy is missing; nothing here needs it. PYTHONWARNINGS: the same for the
-# processes launch() starts, whose forkserver imports torch before this file.
+# torch warns at import that numpy is missing, which nothing here needs; PYTHONWARNINGS: in launch()'s processes too.
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 os.environ.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
 import torch  # noqa: E402
@@ -32,8 +30,7 @@ from checkpointer import Checkpointer  # optional: exact resume and clean stops
 from min_ddp_cli import SettingsError, parse_args  # the flags, --config, and their checks
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
 
-FEATURES, CLASSES, VAL_SIZE = 32, 10, 4096
-DATA_SEED = 1234  # the dataset is fixed; --seed changes the model init and the data order
+FEATURES, CLASSES, VAL_SIZE, DATA_SEED = 32, 10, 4096, 1234  # the data is fixed; --seed: the init, the order
 
 
 def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -54,8 +51,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)  # alone too: one order
     if args.batch_size > len(sampler):
         raise SettingsError(f"--batch-size {args.batch_size} is more than each process's share of the training data "
-                            f"({len(sampler)} samples at world size {world}); use "
-                            f"--batch-size {len(sampler)} or less")
+                            f"({len(sampler)} samples at world size {world}); use --batch-size {len(sampler)} or less")
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
                         pin_memory=device.type == "cuda")
     val_loader = DataLoader(val_set, args.batch_size, sampler=distributed.data_sampler(val_set, True, False, pad=False))
@@ -71,8 +67,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         metrics.update(unlogged=zeros, world=world)
     ddp_model, allreduce = wrap(model, device, args.timeout)
     backend = torch.distributed.get_backend() if world > 1 else "none"
-    distributed.print_primary(f"mode={distributed.launch_mode()} world={world} backend="
-                              f"{backend} allreduce={allreduce} device={device.type} threads={torch.get_num_threads()}")
+    distributed.print_primary(f"mode={distributed.launch_mode()} world={world} backend={backend} allreduce={allreduce} "
+                              f"device={device.type} threads={torch.get_num_threads()}")
     started, samples = time.perf_counter(), 0
     val_loss, correct, count = evaluate(model, val_loader) if ckpt.epoch >= args.epochs else (0, 0, 1)
     for epoch in ckpt.epochs(args.epochs):  # it calls sampler.set_epoch (a new shuffle; mid-epoch: what is left)
@@ -91,10 +87,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:
-    """DDP for more than one process, and which all-reduce averages its gradients."""
+    """DDP for more than one process (gradients as views into its all-reduce buckets: one copy less per step),
+    and which all-reduce averages the gradients."""
     if distributed.get_world_size() == 1:
         return model, "none"
-    # Gradients as views into DDP's all-reduce buckets: one copy of every gradient less per step.
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     shared = shared_memory_allreduce(ddp, timeout)  # CPU ranks on one host; elsewhere False, nothing changed
     return ddp, "shared-memory" if shared else torch.distributed.get_backend()
@@ -115,16 +111,12 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     model.train()
     device, accum = next(model.parameters()).device, args.grad_accum
     first = ckpt.epoch_steps * accum  # batches done before a mid-epoch resume (the sampler skips them)
-    batches = first + len(loader)
+    batches, stats = first + len(loader), metrics["unlogged"]
     for i, (x, y) in enumerate(loader, start=first):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         syncing = (i + 1) % accum == 0 or i + 1 == batches  # the last group of an epoch may be short
-        with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            (loss / min(accum, batches - i // accum * accum)).backward()  # its share of the group's mean
-        stats = metrics["unlogged"]
-        stats[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum()])
+        loss, logits = micro_step(model, x, y, syncing, min(accum, batches - i // accum * accum))
+        stats[:2] += torch.stack([loss * len(y), (logits.argmax(1) == y).sum()])
         stats[2] += len(y)  # a Python number: no copy to the device, no wait for it
         if (i + 1) % args.log_every == 0 or i + 1 == batches:
             metrics["epoch"] += log_metrics(stats, f"epoch {ckpt.epoch + 1} step {i + 1}/{batches}")
@@ -136,9 +128,17 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     return (metrics["epoch"][0] / metrics["epoch"][2]).item()
 
 
+def micro_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, syncing: bool, group: int) -> tuple:
+    """Forward and backward of 1/group of a group's mean loss; only the group's last (syncing) all-reduces."""
+    with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
+        logits = model(x)  # inside no_sync too: DDP decides at the forward whether the backward all-reduces
+        loss = F.cross_entropy(logits, y)
+        (loss / group).backward()
+    return loss.detach(), logits
+
+
 def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
-    """Print every rank's (loss sum, correct, samples) and their global sum, from one all-gather
-    (so it must be called on all ranks); returns the global sum."""
+    """Print every rank's (loss sum, correct, samples) and their sum, from one all-gather (on all ranks); returns it."""
     per_rank = distributed.all_gather(stats)
     if distributed.is_primary():
         for rank, (loss_sum, correct, count) in enumerate(per_rank.tolist()):

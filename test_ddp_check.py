@@ -5,7 +5,9 @@ real gloo processes (the pools shared with the rest of the suite) that import th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
 import time
 
@@ -18,7 +20,7 @@ from torch.utils.data import TensorDataset
 import ddp_check
 import distributed
 from harness import SCRIPTS, leftover_processes, run_script
-from ddp_check import assert_ddp_equivalent
+from ddp_check import assert_ddp_equivalent, assert_step_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
 
@@ -363,7 +365,7 @@ def test_unused_parameters_name_the_keyword_and_tracebacks_come_once():
 
 def test_ddp_options_reach_every_ranks_ddp():
     assert_ddp_equivalent(with_unused, vectors, cross_entropy, world_sizes=(2, 3), find_unused_parameters=True)
-    assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,), broadcast_buffers=False, static_graph=True)
+    assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,), forward_sync_buffers=False, static_graph=True)
 
 
 def test_an_unknown_ddp_option_is_rejected_naming_it():
@@ -455,3 +457,141 @@ def test_check_runs_from_a_plain_script_and_leaves_no_process(tmp_path):
     assert len(lines) == 3 and lines[0] == lines[2] == "equivalent", out.stdout
     assert lines[1].startswith("diverges: DDP diverges"), out.stdout
     assert leftover_processes(marker) == []
+
+
+# ------------------------------ assert_step_equivalent: a user's whole step ---------------------
+# Each step below is written as users write it; the buggy ones are the bugs that shipped (issue 45).
+
+
+def _micro_loss(model: nn.Module, batch, micro_batches: list) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y) / len(micro_batches)
+
+
+def step_nanogpt(model, optimizer, scaler, micro_batches, step):
+    """nanoGPT's shape: the sync flag set before each forward, a scaled loss, unscale, clip, step, zero_grad."""
+    for i, batch in enumerate(micro_batches):
+        model.require_backward_grad_sync = i == len(micro_batches) - 1
+        scaler.scale(_micro_loss(model, batch, micro_batches)).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_no_sync(model, optimizer, scaler, micro_batches, step):
+    """The tutorial's shape: every micro-step but the last, forward and backward, inside no_sync()."""
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            _micro_loss(model, batch, micro_batches).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def step_flag_after_forward(model, optimizer, scaler, micro_batches, step):
+    for i, batch in enumerate(micro_batches):
+        loss = _micro_loss(model, batch, micro_batches)
+        model.require_backward_grad_sync = i == len(micro_batches) - 1  # after the forward: too late
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def step_no_sync_around_backward_only(model, optimizer, scaler, micro_batches, step):
+    for i, batch in enumerate(micro_batches):
+        loss = _micro_loss(model, batch, micro_batches)
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def step_loss_not_divided(model, optimizer, scaler, micro_batches, step):
+    for i, (x, y) in enumerate(micro_batches):
+        model.require_backward_grad_sync = i == len(micro_batches) - 1
+        scaler.scale(F.cross_entropy(model(x), y)).backward()  # not / len(micro_batches)
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # hides the factor from the optimizer's gradients
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_clips_scaled_gradients(model, optimizer, scaler, micro_batches, step):
+    """pytorch/examples#1196: clipping before unscale_ clips the scaled gradients."""
+    for i, batch in enumerate(micro_batches):
+        model.require_backward_grad_sync = i == len(micro_batches) - 1
+        scaler.scale(_micro_loss(model, batch, micro_batches)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_correct_steps_pass_the_whole_step_check():
+    """nanoGPT's step (sync flag before the forward, GradScaler, unscale_, clipping) at worlds 2 and 3 on a tiny
+    transformer, and the no_sync() shape on an MLP, train as one process does."""
+    assert_step_equivalent(transformer, sequences, step_nanogpt)
+    assert_step_equivalent(mlp, vectors, step_no_sync, world_sizes=(2,), accum=3)
+
+
+@pytest.mark.parametrize("train_step, message", [
+    (step_flag_after_forward, r"all-reduced at micro-step\(s\) \[1\] of 2, not at the last\n.*the sync flag decided "
+                              r"after the forward .*DDP decides at the forward"),
+    (step_no_sync_around_backward_only, r"every micro-step of step 1 all-reduced \(\[1, 2\]\).*costs 2x the traffic"
+                                        r"\n.*no_sync\(\) around the backward only"),
+    (step_loss_not_divided, r"the gradients are about 2x \(the micro-batches\) one batch's: divide each micro-batch's "
+                            r"loss by their number \(2\)"),
+    (step_clips_scaled_gradients, r"differently at loss scale 1024 than at 1.*\n.*gradients used before "
+                                  r"scaler.unscale_\(optimizer\): clipping"),
+], ids=["sync-flag-after-forward", "no_sync-around-backward-only", "loss-not-divided", "clipping-scaled-grads"])
+def test_a_buggy_step_fails_naming_its_cause(train_step, message):
+    with pytest.raises(AssertionError, match=message):
+        assert_step_equivalent(mlp, vectors, train_step, world_sizes=(2,))
+
+
+def test_no_sync_around_the_backward_passes_when_its_traffic_is_accepted():
+    assert_step_equivalent(mlp, vectors, step_no_sync_around_backward_only, world_sizes=(2,),
+                           accept_sync_every_micro_step=True)
+
+
+def test_an_unused_parameter_is_named_with_its_step_rank_and_the_safe_option():
+    """The parameter that got no gradient by its qualified name, where, and which DDP option fits (accumulation
+    rules out static_graph, pytorch/pytorch#143580), although DDP's own error comes a step later, in indices."""
+    with pytest.raises(AssertionError, match=r"step 2 raised on rank 0\n.*`unused.bias`, `unused.weight` got no "
+                                             r"gradient at step 1 on rank 0 \(DDP waits for every parameter\): pass "
+                                             r"find_unused_parameters=True \(not static_graph=True: with no_sync "
+                                             r"accumulation it fails"):
+        assert_step_equivalent(with_unused, vectors, step_nanogpt, world_sizes=(2,))
+
+
+def test_per_rank_data_randomness_is_named_in_a_step_check():
+    with pytest.raises(AssertionError, match=r"the data's items change from one read to the next"):
+        assert_step_equivalent(mlp, augmented, step_nanogpt, world_sizes=(2,))
+
+
+def test_mixed_precision_smoke_passes_a_right_step_and_fails_an_undivided_loss():
+    """bf16 autocast, the model in float32: first-step gradients within 10% by norm. A right step passes; one
+    that forgets to divide the loss by the micro-batches is 100% off."""
+    assert_step_equivalent(mlp, vectors, step_nanogpt, world_sizes=(2,), mixed_precision=True)
+    with pytest.raises(AssertionError, match=r"about 2x \(the micro-batches\)"):
+        assert_step_equivalent(mlp, vectors, step_loss_not_divided, world_sizes=(2,), mixed_precision=True)
+
+
+def test_an_accumulation_formula_on_one_nodes_gpus_is_named():
+    """karpathy/nanoGPT#283: the accumulation count from the GPUs of one node changes the global batch with the
+    world size (here one process per node); one from the world size keeps it."""
+    assert_step_equivalent(mlp, vectors, step_nanogpt, world_sizes=(2,),
+                           accum=lambda: 8 // (2 * int(os.environ["WORLD_SIZE"])), batch_size=2)
+    with pytest.raises(AssertionError, match=r"changes the global batch .* \{2: 32, 3: 48\}.*LOCAL_WORLD_SIZE"):
+        assert_step_equivalent(mlp, vectors, step_nanogpt, accum=lambda: 8 // int(os.environ["LOCAL_WORLD_SIZE"]))
+    with pytest.raises(AssertionError, match=r"divided by zero at world size 2 .*torch.cuda.device_count\(\)"):
+        assert_step_equivalent(mlp, vectors, step_nanogpt, accum=lambda: 8 // torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("where", ["before_ddp", "after_ddp"])
+def test_a_step_on_a_compiled_model_passes_where_the_script_compiles(where):
+    """torch.compile (backend "eager": no compiler needed) before DDP, as nanoGPT does, or around it."""
+    assert_step_equivalent(mlp, vectors, step_nanogpt, world_sizes=(2,), compile_model=where)

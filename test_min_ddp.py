@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import distributed
 import min_ddp
+from ddp_check import assert_step_equivalent
 import min_ddp_cli
 from harness import HERE, default_sigint, leftover_processes, one_thread, run_min_ddp, run_script, without_numpy
 
@@ -338,3 +339,33 @@ def test_min_ddp_refuses_a_directory_as_an_output_file_before_training(tmp_path,
         min_ddp_cli.parse_args([flag, str(tmp_path)])
     assert exit_.value.code == 2
     assert f"argument {flag}: {tmp_path} is a directory, or" in capsys.readouterr().err
+
+
+def min_ddp_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(min_ddp.FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, min_ddp.CLASSES))
+
+
+def min_ddp_data() -> list:
+    return min_ddp.make_dataset("train", 64)
+
+
+def min_ddp_momentum(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def min_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, micro_batches: list, step: int) -> None:
+    """min_ddp's step: its own micro_step for each micro-batch (the last syncing, each loss 1/k of the group's mean),
+    then the optimizer step as train_epoch takes it."""
+    for i, (x, y) in enumerate(micro_batches):
+        min_ddp.micro_step(model, x, y, i == len(micro_batches) - 1, len(micro_batches))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_min_ddp_step_passes_the_whole_step_check():
+    """ddp_check.assert_step_equivalent on min_ddp's own accumulation and loss scaling (micro_step), at worlds 2
+    and 3 with 2 and 3 micro-batches: the same training as one process."""
+    assert_step_equivalent(min_ddp_model, min_ddp_data, min_ddp_step, make_optimizer=min_ddp_momentum, accum=2)
+    assert_step_equivalent(min_ddp_model, min_ddp_data, min_ddp_step, make_optimizer=min_ddp_momentum,
+                           world_sizes=(2,), accum=3)
