@@ -19,6 +19,16 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 GPU_TESTS = os.environ.get("DDP_GPU_TESTS") == "1"
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Run inside a cluster job (sbatch, srun --pty) or a torchrun rank, the suite would hand its jobs the shell's job:
+# a test's min_ddp would take itself for one of its srun tasks, and a stop test's requeue would requeue the
+# job running pytest. Every process it starts sees the environment of a plain shell instead; its own SLURM jobs
+# get theirs from sbatch and srun.
+LAUNCHER_PREFIXES = ("SLURM_", "SRUN_", "SBATCH_", "SALLOC_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT")
+for name in [name for name in os.environ if (name.startswith(LAUNCHER_PREFIXES) and name != "SLURM_CONF")
+             or name in LAUNCHER_VARS]:
+    del os.environ[name]
 collect_ignore = [name for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
                   if name.startswith("test_") and name.endswith(".py") and GPU_TESTS and name != "test_gpu.py"]
 

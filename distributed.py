@@ -468,6 +468,11 @@ def _launcher_env() -> _Launcher | None:
     elif all(v in env for v in _SLURM_VARS) and step is not None and step not in _NOT_RANK_STEPS:
         mode, rank, local = "slurm", _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
         world = _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+        # `srun --pty bash` is a step of one task, the shell: a script typed there is not that task (its pid
+        # is not SLURM_TASK_PID) and decides its own processes, as in a plain shell. `srun -n 1 python train.py`
+        # is the task itself, and any step of several tasks runs ranks, whatever wraps them.
+        if world == 1 and env.get("SLURM_TASK_PID", str(os.getpid())) != str(os.getpid()):
+            return None
     else:
         return None
     if world < 1 or not 0 <= rank < world or local < 0:
@@ -548,7 +553,10 @@ def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
     # srun --gpus-per-task=1 shows each task its own GPU as cuda:0; --gres=gpu:1 with 2 tasks shows both the
     # same one (NCCL then dies with "Duplicate GPU detected").
     step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
-    own_gpu = mode == "slurm" and ("SLURM_GPUS_PER_TASK" in os.environ or len(step_gpus) > local_rank)
+    # SLURM 23.11+ reports --gpus-per-task in SLURM_TRES_PER_TASK ("cpu=1,gres/gpu=1", "gres/gpu:a100:1").
+    per_task = re.search(r"gres[/:]gpu(?::[\w.-]+)?[:=](\d+)", os.environ.get("SLURM_TRES_PER_TASK", ""))
+    gpus_per_task = "SLURM_GPUS_PER_TASK" in os.environ or bool(per_task and int(per_task.group(1)) > 0)
+    own_gpu = mode == "slurm" and (gpus_per_task or len(step_gpus) > local_rank)
     if not nccl or gpus == 1 and own_gpu:
         return local_rank % gpus
     raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
@@ -689,7 +697,7 @@ def _reduce_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
 
 
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """gloo has no int16 or bool arithmetic; those travel as int32 / uint8 and come back exact."""
+    """gloo has no int16 or bool arithmetic, and NCCL no int16; those travel as int32 / uint8, back exact."""
     return {torch.int16: torch.int32, torch.bool: torch.uint8}.get(dtype, dtype)
 
 

@@ -27,6 +27,8 @@ from typing import Iterator
 import pytest
 import torch
 
+import checkpointer
+import conftest
 import distributed
 from harness import HERE, SCRIPTS, cannot_run, default_sigint, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
 
@@ -576,6 +578,76 @@ def test_salloc_interactive_step_runs_the_script_as_one_process(slurm, tmp_path)
     text = out.stdout.replace("\r", "")
     assert "step=4294967290" in text, text  # the shell ran inside the interactive step
     assert "[rank 0] mode=single world=1" in text and "[rank 1]" not in text, text
+
+
+@pytest.mark.parametrize("tasks, task_pid, mode", [("1", "shell", "single"), ("1", "self", "slurm"),
+                                                   ("2", "shell", "slurm")],
+                         ids=["srun-pty-shell", "srun-n-1-python", "srun-n-2-wrapper"])
+def test_a_script_typed_in_an_srun_pty_shell_is_no_srun_task(monkeypatch, tasks, task_pid, mode):
+    """`srun --pty bash` is a numeric step of one task, the shell (SLURM_TASK_PID is the shell's): a script typed
+    there decides its own processes, as in a plain shell. `srun -n 1 python train.py` is the task itself, and a
+    step of several tasks runs ranks even through a wrapper script."""
+    pid = os.getpid() if task_pid == "self" else os.getppid()
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": tasks, "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+                       "SLURM_STEP_ID": "0", "SLURM_TASK_PID": str(pid)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    assert distributed.launch_mode() == mode
+
+
+@pytest.mark.slow
+def test_min_ddp_in_an_srun_pty_shell_spawns_its_nprocs(tmp_path):
+    """Before, `python min_ddp.py --nprocs 2` typed in `srun --pty bash` (on a GPU node: every GPU) trained as
+    one srun task: `mode=slurm world=1`, the other processes never started."""
+    shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+             "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_TASK_PID": str(os.getpid())}
+    out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "1", "--train-size", "256"], timeout=120, env=shell)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("mode=spawn world=2"), out.stdout
+
+
+def test_the_suites_processes_see_no_job_of_the_shell():
+    """conftest.py leaves none of the shell's job variables (sbatch, srun --pty, a torchrun rank) to the suite:
+    a process it starts is in no job and no launcher, and a requeue finds no job to requeue."""
+    leftover = [name for name in os.environ if name.startswith(conftest.LAUNCHER_PREFIXES) and name != "SLURM_CONF"]
+    assert leftover == [] and not set(conftest.LAUNCHER_VARS) & set(os.environ)
+    child = run_script(["-c", "import distributed; print(distributed.launch_mode())"], timeout=60)
+    assert child.stdout.strip() == "single", child.stderr
+    assert checkpointer.requeue() is False
+
+
+@pytest.mark.slow
+def test_the_suite_inside_a_batch_job_never_requeues_that_job(tmp_path):
+    """pytest started in an sbatch job's batch step (whose SLURM_* variables, and a torchrun rank's, it inherits),
+    with a recording scontrol first on PATH: the suite's processes run as in a plain shell, and scontrol is never
+    called (before, every stop test's SIGUSR1 met the requeue conditions and requeued the pytest job)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    (fake / "scontrol").chmod(0o755)
+    job = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "batch",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_RESTART_COUNT": "0",
+           "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                          "test_launch.py::test_the_suites_processes_see_no_job_of_the_shell"], cwd=HERE,
+                         capture_output=True, text=True, timeout=180, env={**os.environ, **job})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert not (tmp_path / "calls").exists(), (tmp_path / "calls").read_text()
+
+
+@pytest.mark.parametrize("tres, own", [("cpu=1,gres/gpu=1", True), ("gres/gpu:1", True), ("gres/gpu:a100:2", True),
+                                       ("cpu=4", False), ("gres/gpu=0", False)])
+def test_gpus_per_task_is_read_from_newer_slurms_tres_per_task(monkeypatch, tres, own):
+    """SLURM 23.11+ reports `srun --gpus-per-task=1` as SLURM_TRES_PER_TASK, not SLURM_GPUS_PER_TASK: each task's
+    one visible GPU is its own, and the job is not refused as two ranks sharing one GPU."""
+    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_TRES_PER_TASK", tres)
+    if own:
+        assert distributed._gpu_index(1, 1, "slurm", True) == 0
+    else:
+        with pytest.raises(RuntimeError, match="local rank 1 has no GPU of its own"):
+            distributed._gpu_index(1, 1, "slurm", True)
 
 
 @pytest.mark.parametrize("local_rank, gpus, mode, nccl, env, index", [

@@ -23,6 +23,10 @@ def worker(local_rank, world_size, backend, snapshot, behaviour):
               torch.tensor(world - 1, dtype=torch.int16), where)
         check(distributed.all_gather(torch.tensor([rank, -rank], device=where)),
               torch.tensor([[r, -r] for r in range(world)]), where)
+        strided = torch.arange(6.0, device=where).reshape(2, 3).T + rank  # NCCL refuses a non-contiguous tensor
+        check(distributed.reduce(strided), torch.arange(6.0).reshape(2, 3).T * world + world * (world - 1) / 2, where)
+        check(distributed.all_gather((torch.arange(6.0, device=where).reshape(3, 2) + rank)[:, 0]),
+              torch.stack([torch.tensor([0.0, 2.0, 4.0]) + r for r in range(world)]), where)
     distributed.print_ranked(f"on {device}")
     state = {"weights": torch.full((3,), float(rank), device=device), "steps": torch.arange(3),
              "rng": torch.get_rng_state()}
@@ -45,10 +49,11 @@ def worker(local_rank, world_size, backend, snapshot, behaviour):
     checkpointer.Checkpointer(snapshot + ".adam", model, resumed, batch_size=1)
     where = lambda opt: [(k, v.device) for s in opt.state.values() for k, v in sorted(s.items())]  # noqa: E731
     assert where(resumed) == where(adam) and ("step", torch.device("cpu")) in where(adam), where(resumed)
-    if behaviour == "raise" and rank == 1:
-        time.sleep(0.5)                                  # rank 0 waits in the reduce below
-        torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # NCCL work in flight
+    if behaviour == "raise" and rank == 1:               # with NCCL work in flight that no peer ever joins:
+        torch.distributed.all_reduce(torch.ones(1, device=device), async_op=True)  # destroying would wait for it
         raise ValueError("root cause on rank 1")
+    if behaviour == "raise":
+        time.sleep(3600)                                 # until the launcher stops this rank
     if behaviour == "hang" and rank == 1:
         time.sleep(3600)
     distributed.reduce(torch.ones(1, device=device)).item()
