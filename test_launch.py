@@ -30,7 +30,8 @@ import torch
 import checkpointer
 import conftest
 import distributed
-from harness import HERE, SCRIPTS, cannot_run, default_sigint, finish, free_port, leftover_processes, run_script, start_ranks, wait_for_job
+from harness import (HERE, SCRIPTS, cannot_run, default_sigint, finish, free_port, leftover_processes, readme_snippet,
+                     run_script, start_ranks, wait_for_job)
 
 JOB_SCRIPT = Path(HERE, "rank_scripts", "job.py")  # a job whose ranks misbehave on request
 
@@ -750,10 +751,6 @@ def test_nccl_without_a_gpu_is_refused_in_every_world_naming_the_fix():
     device_id parameter the user never passed."""
     with pytest.raises(ValueError, match=r"backend='nccl' needs a GPU and this process sees none.*backend=None"):
         distributed.init_process_group(0, 1, backend="nccl")
-
-
-def readme_snippet() -> str:
-    return re.search(r"```python\n(# train\.py.*?)```", Path(HERE, "README.md").read_text(), re.S).group(1)
 
 
 def docstring_example() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,13 +29,13 @@ import distributed
 import min_ddp
 from ddp_check import assert_step_equivalent
 import min_ddp_cli
-from harness import HERE, default_sigint, leftover_processes, one_thread, run_min_ddp, run_script, without_numpy
+from harness import HERE, assert_bitwise_equal, default_sigint, leftover_processes, one_thread, run_min_ddp, run_script, without_numpy
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
 # (world, --batch-size, --grad-accum, --log-every): world 3 pads 2048 samples to 2049 and ends each epoch
 # with a short batch; the log intervals do not divide the epochs.
-RUNS = [(1, 128, 1, 7), (2, 64, 1, 5), (4, 32, 1, 100), (2, 32, 2, 3), (3, 50, 1, 4)]
+RUNS = [(1, 128, 1, 7), (2, 64, 1, 5), (4, 32, 1, 100), (2, 32, 3, 3), (3, 50, 1, 4)]
 
 
 def dataset_tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,6 +341,34 @@ def test_min_ddp_refuses_a_directory_as_an_output_file_before_training(tmp_path,
     assert exit_.value.code == 2
     assert f"argument {flag}: {tmp_path} is a directory, or" in capsys.readouterr().err
 
+
+
+@pytest.mark.slow
+def test_min_ddp_with_accumulation_resumes_bitwise_and_at_world_1(runs, tmp_path):
+    """--grad-accum 3 at world 2, 32 batches a rank an epoch (10 steps, then a short one of 2 batches): stopped
+    after step 4 (a signal at a group's end), resumed and stopped again by a signal that lands between
+    micro-batches (rank 1's, 0.3 s after this run's step 2, while it waits in step 7's group), then finished:
+    bitwise the uninterrupted run of RUNS. The first snapshot resumed at world 1 x 64 (the same global batch,
+    192) ends within float rounding. A skip that forgot the accumulation would train other samples."""
+    model, _ = runs[2, 32, 3, 3]
+    flags = ["--epochs", str(EPOCHS), "--grad-accum", "3", "--seed", str(SEED), "--lr", str(LR), "--check-every",
+             "1", "--log-every", "1000", "--snapshot", str(tmp_path / "snap.pt")]
+    run = lambda *more, stop="": run_min_ddp(tmp_path, *flags, *more, FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE),  # noqa
+                                             STOP_AT=stop)
+    first = run("--nprocs", "2", "--batch-size", "32", stop="0:4:SIGUSR1")
+    assert first.returncode == 138 and "stopped by SIGUSR1 after step 4 of epoch 1" in first.stdout, first.stderr
+    shutil.copy(tmp_path / "snap.pt", tmp_path / "at-step-4.pt")
+    second = run("--nprocs", "2", "--batch-size", "32", stop="1:2:SIGUSR1:late")
+    assert second.returncode == 138 and "stopped by SIGUSR1 after step 7 of epoch 1" in second.stdout, second.stdout
+    done = run("--nprocs", "2", "--batch-size", "32", "--save-model", str(tmp_path / "model.pt"))
+    assert done.returncode == 0, done.stderr
+    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
+    shutil.copy(tmp_path / "at-step-4.pt", tmp_path / "snap.pt")
+    alone = run("--nprocs", "1", "--batch-size", "64", "--save-model", str(tmp_path / "alone.pt"))
+    assert alone.returncode == 0 and "in epoch 1 after step 4 (saved at world size 2)" in alone.stdout, alone.stderr
+    for key, value in model.items():
+        torch.testing.assert_close(distributed.load_checkpoint(tmp_path / "alone.pt")[key], value, rtol=1e-9,
+                                   atol=1e-9)
 
 def min_ddp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(min_ddp.FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),

@@ -59,35 +59,40 @@ def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
     assert_bitwise_equal(model, expected_model, "final model")
 
 
-SEEDED = ["--augment", "seeded", "--workers", "2"]
+# 3 micro-batches of 8 per step at world 2 (global batch 48): 16 batches a rank an epoch, so 5 steps and a
+# short last one of 1 micro-batch; the stop signal comes during step 3's group, the stop after it.
+SEEDED = ["--augment", "seeded", "--workers", "2", "--accum", "3"]
 
 
 @pytest.fixture(scope="module")
 def seeded_runs(tmp_path_factory) -> Path:
-    """The augmentation through seeded_dataset in 2 DataLoader workers per rank, no dropout: an uninterrupted
-    run at world 2 (straight.pt) and a snapshot stopped after step 5 of epoch 1 (snap.pt, its steps logged)."""
+    """The augmentation through seeded_dataset in 2 DataLoader workers per rank, no dropout, 3 micro-batches a
+    step: an uninterrupted run at world 2 (straight.pt) and a snapshot stopped after step 3 of epoch 1, the
+    signal sent between two micro-batches of that step (snap.pt, its steps logged)."""
     tmp = tmp_path_factory.mktemp("seeded")
-    assert random_loop(tmp, "never.pt", "straight.pt", 2, 16, 0, *SEEDED).returncode == 0
-    stopped = random_loop(tmp, "snap.pt", "resumed.pt", 2, 16, 5, *SEEDED)
-    assert stopped.returncode == 138 and "after step 5 of epoch 1" in stopped.stdout, stopped.stderr
+    assert random_loop(tmp, "never.pt", "straight.pt", 2, 8, 0, *SEEDED).returncode == 0
+    stopped = random_loop(tmp, "snap.pt", "resumed.pt", 2, 8, 3, *SEEDED, "--stop-mid-group")
+    assert stopped.returncode == 138 and "after step 3 of epoch 1" in stopped.stdout, stopped.stderr
     return tmp
 
 
-@pytest.mark.parametrize("nprocs, batch, flags", [(2, 16, ["--persistent"]), (1, 32, []), (4, 8, [])],
+@pytest.mark.parametrize("nprocs, batch, flags", [(2, 8, ["--persistent"]), (1, 16, []), (4, 4, [])],
                          ids=["world-2-persistent-workers", "world-1", "world-4"])
 def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, tmp_path, nprocs, batch, flags):
     """Resumed from the world-2 snapshot (stopped with 2 workers per rank, not persistent) at the same global
-    batch (32): every step trains on exactly the uninterrupted run's samples and augmentations, whichever rank
-    and worker reads them (persistent workers keep their dataset across the epoch boundary: the epoch still
-    reaches them). At world 2 the weights are
-    bitwise the uninterrupted run's; at 1 and 4 equal up to the order of the gradient sums (float64: 1e-9)."""
+    batch (48 = batch x 3 micro-batches x processes): every step, the epoch's short last one included, trains on
+    exactly the uninterrupted run's samples and augmentations, whichever rank and worker reads them (persistent
+    workers keep their dataset across the epoch boundary: the epoch still reaches them). A resume that skipped
+    only 1/3 of what it had trained (the accumulation forgotten) would train on other samples. At world 2 the
+    weights are bitwise the uninterrupted run's; at 1 and 4 equal up to the order of the gradient sums (float64:
+    1e-9)."""
     shutil.copy(seeded_runs / "snap.pt", tmp_path / "snap.pt")
     shutil.copy(seeded_runs / "resumed.pt.steps", tmp_path / "resumed.pt.steps")  # steps 1-5, before the stop
     resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", nprocs, batch, 0, *SEEDED, *flags)
     assert resumed.returncode == 0, resumed.stderr
     steps, model = trained(tmp_path, "resumed.pt")
     expected_steps, expected_model = trained(seeded_runs, "straight.pt")
-    assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))
+    assert sorted(steps) == sorted(expected_steps) == list(range(1, 13))
     assert_bitwise_equal(steps, expected_steps, "what each step trained on")
     if nprocs == 2:
         assert_bitwise_equal(model, expected_model, "final model")

@@ -161,6 +161,39 @@ def test_snapshot_only_some_ranks_see_fails_every_rank_naming_the_fix(tmp_path):
                               "snapshot on a file system every node sees") in err, f"rank {rank}: {err}"
 
 
+def test_ranks_finding_snapshots_of_different_steps_all_fail(tmp_path, stop_signals_restored):
+    """Node-local disks with a snapshot each, left by different runs or stops: rank 0's of step 1, rank 1's of
+    step 2. Agreeing on whether each found one is not enough: they would resume from different steps and drift
+    silently until a hang. Every rank fails, naming both and a shared file system."""
+    for rank, steps in ((0, 1), (1, 2)):
+        path = tmp_path / f"node{rank}" / "snap.pt"
+        path.parent.mkdir()
+        ckpt = checkpointer.Checkpointer(path, torch.nn.Linear(2, 1), batch_size=1)
+        ckpt.steps = steps
+        ckpt.save()
+    for rank, (code, _, err) in enumerate(finish(start_ranks([str(SCRIPTS / "node_local.py"), str(tmp_path), "2"],
+                                                             tmp_path))):
+        assert code == 1 and (f"the ranks found different snapshots at {tmp_path / f'node{rank}' / 'snap.pt'} (rank 0: "
+                              "the snapshot of step 1; rank 1: the snapshot of step 2): every rank must resume the "
+                              "same one. Put the snapshot on a file system every node sees") in err, f"rank {rank}: {err}"
+
+
+def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path, stop_signals_restored):
+    """A snapshot whose run had a setting the resuming script no longer passes (it dropped --warmup, or it is
+    another script's snapshot at the same path) is another run's: refused, naming the setting, in a loop of the
+    user's own and in min_ddp, as a setting whose value differs is."""
+    path = tmp_path / "run.pt"
+    checkpointer.Checkpointer(path, torch.nn.Linear(2, 1), batch_size=64,
+                              settings={"--seed": 0, "--lr": 0.01, "--train-size": 16384, "--warmup": 100}).save()
+    with pytest.raises(ValueError, match=r"belongs to another run: --warmup: 100 there, not given here"):
+        checkpointer.Checkpointer(path, torch.nn.Linear(2, 1), batch_size=64,
+                                  settings={"--seed": 0, "--lr": 0.01, "--train-size": 16384})
+    out = subprocess.run([sys.executable, "min_ddp.py", "--nprocs", "1", "--epochs", "1", "--snapshot", str(path)],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert f"min_ddp: the snapshot {path} belongs to another run: --warmup: 100 there, not given here" in out.stderr
+
+
 def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, tmp_path):
     """`kill -TERM <launcher>`: the workers get it, stop at a step and save; then the launcher dies of
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""

@@ -1,7 +1,7 @@
 """A loop with real training's randomness, on a Checkpointer (test_stop.py):
 
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded] [--workers K]
-                          [--persistent] [--accum K]
+                          [--persistent] [--accum K] [--stop-mid-group]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
@@ -76,13 +76,16 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
                 with ddp.no_sync() if isinstance(ddp, DDP) and not syncing else contextlib.nullcontext():
                     (F.mse_loss(ddp(x), y) / group).backward()
                 step = ckpt.steps + 1
+                signals = distributed.get_rank() == min(1, world_size - 1)
+                if signals and args.stop_mid_group and not syncing and steps_here + 1 == args.stop:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # the stop comes at the end of this step's group
                 everything = gathered.flatten(0, 1)
                 trained[step] = torch.cat([trained.get(step, everything[:0]), everything])
                 if syncing:
                     optimizer.step()
                     optimizer.zero_grad()
                     steps_here += 1
-                    if steps_here == args.stop and distributed.get_rank() == min(1, world_size - 1):
+                    if signals and not args.stop_mid_group and steps_here == args.stop:
                         os.kill(os.getpid(), signal.SIGUSR1)
                     ckpt.step()
         distributed.save_checkpoint({"model": {k: v.cpu() for k, v in model.state_dict().items()}}, args.out)
@@ -107,6 +110,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--stop-mid-group", action="store_true", help="signal during step STOP's group, not after it")
     args = p.parse_args()
     distributed.launch(worker, args, nprocs=args.nprocs)
 
