@@ -56,13 +56,14 @@ class Checkpointer:
 
     Construct it after the model is on its device and the optimizer and any LR scheduler exist (their state is
     restored into them), and before DDP wraps the model (DDP broadcasts rank 0's weights as it wraps: they must be
-    the restored ones). Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the same snapshot
-    (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what defines the
-    run: seed, learning rate...) differ is refused, naming each difference. It restores the model, the
-    optimizer, every rank's CPU and CUDA RNG, the position and ``state`` (numbers, tensors, dicts and lists of
-    them, objects with ``state_dict()`` and ``load_state_dict()`` such as an LR scheduler or a GradScaler; each
-    rank its own, at another world size rank 0's), and gives a loader without a ``generator`` one of its own (its
-    iterator then draws nothing from the global generator). Then it calls ``handle_stop_signals()``.
+    the restored ones). Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the
+    same snapshot (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what
+    defines the run: seed, learning rate...) differ (one given on only one side included) is refused, naming each
+    difference. It restores the model, the optimizer, every rank's CPU and CUDA RNG, the position and ``state``
+    (numbers, tensors, dicts and lists of them, objects with ``state_dict()`` and ``load_state_dict()`` such as an
+    LR scheduler or a GradScaler; each rank its own, at another world size rank 0's), and gives a loader without a
+    ``generator`` one of its own (its iterator then draws nothing from the global generator). Then it calls
+    ``handle_stop_signals()``.
 
     ``epochs(n)`` and ``iterations(n)`` snapshot at every epoch's end and after the last step. ``step()``: a
     snapshot every ``save_every`` steps (0: none) and, so that a hard kill (OOM, a lost node) loses at most that

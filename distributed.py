@@ -254,12 +254,10 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
 
 
 def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
-    """``dataset`` whose every item is read with torch's (and Python's ``random``) generator seeded from
-    (``seed``, the epoch, the item's index), and the caller's generators left as they were: a random augmentation
-    (torchvision's transforms draw from torch's global generator) then depends on nothing else. The same sample
-    gets the same crop on rank 0 or rank 3, in worker 0 or 5 (``persistent_workers`` too), before or after a
-    resume, at any world size; a new one each epoch. Wrap it before data_sampler, whose ``set_epoch`` passes the
-    epoch on (or call ``set_epoch(epoch)`` on it yourself); other attributes are the wrapped dataset's."""
+    """``dataset`` whose every item is read with torch's and Python's generators seeded from (``seed``, the epoch,
+    the index), the caller's left as they were: the same sample gets the same random augmentation (torchvision's
+    draw from torch's generator) on any rank, in any loader worker, before or after a resume, at any world size;
+    a new one each epoch. Wrap it before data_sampler, whose ``set_epoch`` passes the epoch on."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
     return _SeededDataset(dataset, seed)
@@ -425,13 +423,8 @@ def report_progress(text: str) -> None:
     """Leave ``text`` (one line: the last step saved, say) where launch() reads it should it have to kill this
     rank: after a stop signal's grace, or when it dies; the report then says what was lost. Not a collective; it
     does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
-    directory = os.environ.get(_JOB_DIR_ENV)
-    if directory is None or launch_mode() != "spawn":
-        return
-    path = os.path.join(directory, f"rank{get_rank()}.progress")
-    with open(f"{path}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp", path)  # the launcher never reads half a line
+    if launch_mode() == "spawn" and _JOB_DIR_ENV in os.environ:
+        _write_progress(os.environ[_JOB_DIR_ENV], get_rank(), text)
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -997,6 +990,14 @@ def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[s
     if sys.platform == "linux":  # a local job's connections (gloo's, NCCL's bootstrap) stay on loopback
         env |= {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
     return env
+
+
+def _write_progress(directory: str, rank: int, text: str) -> None:
+    """report_progress's file, which _Workers._progress reads."""
+    path = os.path.join(directory, f"rank{rank}.progress")
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)  # the launcher never reads half a line
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
