@@ -14,28 +14,34 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 
+import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, default_sigint
+from harness import SCRIPTS, assert_bitwise_equal, at_once, default_sigint
 
-pytestmark = pytest.mark.slow  # every test here starts launch() jobs
+pytestmark = pytest.mark.slow  # every test here but one starts launch() jobs
 
 OWN_LOOP = SCRIPTS / "own_loop.py"
 
 
-def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+def start_own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.CompletedProcess:
+    return at_once([start_own_loop(tmp_path, snapshot, out, *flags)], timeout=120)[0]
 
 
 @pytest.fixture(scope="module")
 def stopped_at_12(tmp_path_factory) -> Path:
     """An uninterrupted run (straight.pt) and a snapshot of the same loop stopped after step 12 (snap.pt)."""
     tmp = tmp_path_factory.mktemp("own-loop")
-    straight = own_loop(tmp, "never.pt", "straight.pt")
+    straight, stopped = at_once([start_own_loop(tmp, "never.pt", "straight.pt"),
+                                 start_own_loop(tmp, "snap.pt", "unused.pt", "--stop", "12", "--check-every", "1")])
     assert straight.returncode == 0, straight.stderr
-    stopped = own_loop(tmp, "snap.pt", "unused.pt", "--stop", "12", "--check-every", "1")
     assert stopped.returncode == 138, stopped.stderr
     assert "stopped by SIGUSR1 after step 12; saved to" in stopped.stdout, stopped.stdout
     return tmp
@@ -69,14 +75,16 @@ def test_own_loop_resumed_at_4_gives_every_rank_its_own_batches(stopped_at_12, t
     assert len(set(first)) == 4, resumed.stdout
 
 
-def test_own_loop_resumed_at_another_global_batch_is_refused(stopped_at_12, tmp_path):
-    """Stopped at 2 x 16, resumed at 1 x 16: half the global batch, which the loop would take silently."""
-    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
-    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt", "--nprocs", "1")
-    assert resumed.returncode == 1
-    assert "with a global batch (batch size x grad_accum x processes) of 32 samples, and this run's is 16" \
-        in resumed.stderr, resumed.stderr
-    assert "at 1 process(es), batch size x grad_accum = 32 per process" in resumed.stderr
+def test_an_iteration_loop_resumed_at_another_global_batch_is_refused(tmp_path, stop_signals_restored):
+    """Stopped at 2 x 16 (a snapshot of global batch 32), resumed at 1 x 16: half the global batch, which the
+    loop would take silently. The Checkpointer knows it from batch_size= (an iteration loop must give it)."""
+    ckpt = checkpointer.Checkpointer(tmp_path / "snap.pt", torch.nn.Linear(2, 1), batch_size=32)
+    ckpt.step()
+    ckpt.save()  # one process of 32: the global batch of 2 x 16
+    with pytest.raises(ValueError, match=r"with a global batch \(batch size x grad_accum x processes\) of 32 "
+                                         r"samples, and this run's is 16: .*at 1 process\(es\), batch size x "
+                                         r"grad_accum = 32 per process"):
+        checkpointer.Checkpointer(tmp_path / "snap.pt", torch.nn.Linear(2, 1), batch_size=16)
 
 
 def signal_once_printed(command: list[str], cwd: Path, line: str, signum: int, group: bool = False,

@@ -29,7 +29,8 @@ import distributed
 import min_ddp
 from ddp_check import assert_step_equivalent
 import min_ddp_cli
-from harness import HERE, assert_bitwise_equal, default_sigint, leftover_processes, one_thread, run_min_ddp, run_script, without_numpy
+from harness import (HERE, assert_bitwise_equal, at_once, default_sigint, leftover_processes, one_thread, run_min_ddp,
+                     run_script, start_min_ddp, without_numpy)
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
@@ -360,11 +361,12 @@ def test_min_ddp_with_accumulation_resumes_bitwise_and_at_world_1(runs, tmp_path
     shutil.copy(tmp_path / "snap.pt", tmp_path / "at-step-4.pt")
     second = run("--nprocs", "2", "--batch-size", "32", stop="1:2:SIGUSR1:late")
     assert second.returncode == 138 and "stopped by SIGUSR1 after step 7 of epoch 1" in second.stdout, second.stdout
-    done = run("--nprocs", "2", "--batch-size", "32", "--save-model", str(tmp_path / "model.pt"))
+    start = lambda *more: start_min_ddp(tmp_path, *flags, *more, FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))  # noqa
+    done, alone = at_once([start("--nprocs", "2", "--batch-size", "32", "--save-model", str(tmp_path / "model.pt")),
+                           start("--nprocs", "1", "--batch-size", "64", "--save-model", str(tmp_path / "alone.pt"),
+                                 "--snapshot", str(tmp_path / "at-step-4.pt"))])  # the last --snapshot wins
     assert done.returncode == 0, done.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
-    shutil.copy(tmp_path / "at-step-4.pt", tmp_path / "snap.pt")
-    alone = run("--nprocs", "1", "--batch-size", "64", "--save-model", str(tmp_path / "alone.pt"))
     assert alone.returncode == 0 and "in epoch 1 after step 4 (saved at world size 2)" in alone.stdout, alone.stderr
     for key, value in model.items():
         torch.testing.assert_close(distributed.load_checkpoint(tmp_path / "alone.pt")[key], value, rtol=1e-9,

@@ -18,16 +18,20 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal
+from harness import SCRIPTS, assert_bitwise_equal, at_once
 
 pytestmark = pytest.mark.slow  # every test here but one starts launch() jobs
 
 
-def random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batch: int, stop: int,
-                *flags: str) -> subprocess.CompletedProcess:
+def start_random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batch: int, stop: int,
+                      *flags: str) -> subprocess.Popen:
     command = [sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
                str(nprocs), str(batch), str(stop), *flags]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def random_loop(*args: object) -> subprocess.CompletedProcess:
+    return at_once([start_random_loop(*args)])[0]
 
 
 def trained(directory: Path, out: str) -> tuple[dict, dict]:
@@ -36,8 +40,11 @@ def trained(directory: Path, out: str) -> tuple[dict, dict]:
 
 
 def stop_and_resume(tmp_path: Path, flags: list[str], stop: int = 5) -> tuple[dict, dict]:
-    """The loop at world 2 stopped by SIGUSR1 after step ``stop`` of epoch 1, then resumed to the end."""
-    stopped = random_loop(tmp_path, "snap.pt", "resumed.pt", 2, 16, stop, *flags)
+    """The loop at world 2 stopped by SIGUSR1 after step ``stop`` of epoch 1, then resumed to the end; beside
+    the stopped run, the uninterrupted one (straight.pt)."""
+    straight, stopped = at_once([start_random_loop(tmp_path, "never.pt", "straight.pt", 2, 16, 0, *flags),
+                                 start_random_loop(tmp_path, "snap.pt", "resumed.pt", 2, 16, stop, *flags)])
+    assert straight.returncode == 0, straight.stderr
     assert stopped.returncode == 138, stopped.stderr
     assert f"stopped by SIGUSR1 after step {stop} of epoch 1; saved to" in stopped.stdout, stopped.stdout
     resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", 2, 16, 0, *flags)
@@ -51,7 +58,6 @@ def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
     resumed epoch's new DataLoader iterator drew its workers' base seed from the restored generator, shifting
     every later mask and augmentation by one draw: the data and the weights differed."""
     flags = ["--dropout", "0.2", "--augment", "global"]
-    assert random_loop(tmp_path, "never.pt", "straight.pt", 2, 16, 0, *flags).returncode == 0
     steps, model = stop_and_resume(tmp_path, flags)
     expected_steps, expected_model = trained(tmp_path, "straight.pt")
     assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))
@@ -70,8 +76,9 @@ def seeded_runs(tmp_path_factory) -> Path:
     step: an uninterrupted run at world 2 (straight.pt) and a snapshot stopped after step 3 of epoch 1, the
     signal sent between two micro-batches of that step (snap.pt, its steps logged)."""
     tmp = tmp_path_factory.mktemp("seeded")
-    assert random_loop(tmp, "never.pt", "straight.pt", 2, 8, 0, *SEEDED).returncode == 0
-    stopped = random_loop(tmp, "snap.pt", "resumed.pt", 2, 8, 3, *SEEDED, "--stop-mid-group")
+    straight, stopped = at_once([start_random_loop(tmp, "never.pt", "straight.pt", 2, 8, 0, *SEEDED),
+                                 start_random_loop(tmp, "snap.pt", "resumed.pt", 2, 8, 3, *SEEDED, "--stop-mid-group")])
+    assert straight.returncode == 0, straight.stderr
     assert stopped.returncode == 138 and "after step 3 of epoch 1" in stopped.stdout, stopped.stderr
     return tmp
 
