@@ -47,32 +47,44 @@ def stopped_at_12(tmp_path_factory) -> Path:
     return tmp
 
 
-def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_12, tmp_path):
+@pytest.fixture(scope="module")
+def resumed(stopped_at_12) -> dict[int, tuple[subprocess.CompletedProcess, Path]]:
+    """The snapshot resumed at world 2 x 16 and at 4 x 8 (the same global batch), each from a copy, at once."""
+    started = {}
+    for world, batch in ((2, 16), (4, 8)):
+        directory = stopped_at_12 / f"world{world}"
+        directory.mkdir()
+        (directory / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
+        started[world] = (start_own_loop(directory, "snap.pt", "resumed.pt", "--nprocs", str(world), "--batch",
+                                         str(batch)), directory)
+    results = at_once([proc for proc, _ in started.values()])
+    return {world: (result, directory) for (world, (_, directory)), result in zip(started.items(), results)}
+
+
+def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_12, resumed):
     """The model, AdamW's state, each rank's generator (its next random batch), and the user's state (the best
     loss, a sum, the LR scheduler's position, a Generator, and a tensor the loop updates through its own name,
     restored in place) come back: bitwise the uninterrupted run. The finished snapshot says so: the same
     command run again (a requeue after the end) trains no step."""
-    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
-    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {tmp_path / 'snap.pt'} after step 12 (saved at world size 2)" in resumed.stdout
-    assert "trained 18 iterations" in resumed.stdout
+    result, directory = resumed[2]
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {directory / 'snap.pt'} after step 12 (saved at world size 2)" in result.stdout
+    assert "trained 18 iterations" in result.stdout
     expected = distributed.load_checkpoint(stopped_at_12 / "straight.pt")
-    assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "resumed.pt"), expected, "final model and state")
-    again = own_loop(tmp_path, "snap.pt", "again.pt")
+    assert_bitwise_equal(distributed.load_checkpoint(directory / "resumed.pt"), expected, "final model and state")
+    again = own_loop(directory, "snap.pt", "again.pt")
     assert again.returncode == 0 and "after step 30" in again.stdout and "trained 0 iterations" in again.stdout, \
         again.stdout
 
 
-def test_own_loop_resumed_at_4_gives_every_rank_its_own_batches(stopped_at_12, tmp_path):
+def test_own_loop_resumed_at_4_gives_every_rank_its_own_batches(resumed):
     """Resumed at world 4 with the same global batch (4 x 8 = 2 x 16): ranks 0 and 1 keep their generators, and
     ranks 2 and 3 get states of their own from the snapshot and their rank, never rank 0's (every rank drawing
     rank 0's batches would train on one batch 4 times)."""
-    (tmp_path / "snap.pt").write_bytes((stopped_at_12 / "snap.pt").read_bytes())
-    resumed = own_loop(tmp_path, "snap.pt", "resumed.pt", "--nprocs", "4", "--batch", "8")
-    assert resumed.returncode == 0, resumed.stderr
-    first = re.search(r"first batches: (.*)", resumed.stdout).group(1).split()
-    assert len(set(first)) == 4, resumed.stdout
+    result, _ = resumed[4]
+    assert result.returncode == 0, result.stderr
+    first = re.search(r"first batches: (.*)", result.stdout).group(1).split()
+    assert len(set(first)) == 4, result.stdout
 
 
 def test_an_iteration_loop_resumed_at_another_global_batch_is_refused(tmp_path, stop_signals_restored):

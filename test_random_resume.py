@@ -83,9 +83,26 @@ def seeded_runs(tmp_path_factory) -> Path:
     return tmp
 
 
-@pytest.mark.parametrize("nprocs, batch, flags", [(2, 8, ["--persistent"]), (1, 16, []), (4, 4, [])],
-                         ids=["world-2-persistent-workers", "world-1", "world-4"])
-def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, tmp_path, nprocs, batch, flags):
+RESUMES = {"world-2-persistent-workers": (2, 8, ["--persistent"]), "world-1": (1, 16, []), "world-4": (4, 4, [])}
+
+
+@pytest.fixture(scope="module")
+def seeded_resumes(seeded_runs) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Each of RESUMES from a copy of the stopped snapshot, all at once; (its result, its directory)."""
+    started = {}
+    for name, (nprocs, batch, flags) in RESUMES.items():
+        directory = seeded_runs / name
+        directory.mkdir()
+        shutil.copy(seeded_runs / "snap.pt", directory / "snap.pt")
+        shutil.copy(seeded_runs / "resumed.pt.steps", directory / "resumed.pt.steps")  # the steps before the stop
+        started[name] = (start_random_loop(directory, "snap.pt", "resumed.pt", nprocs, batch, 0, *SEEDED, *flags),
+                         directory)
+    results = at_once([proc for proc, _ in started.values()])
+    return {name: (result, directory) for (name, (_, directory)), result in zip(started.items(), results)}
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, seeded_resumes, name):
     """Resumed from the world-2 snapshot (stopped with 2 workers per rank, not persistent) at the same global
     batch (48 = batch x 3 micro-batches x processes): every step, the epoch's short last one included, trains on
     exactly the uninterrupted run's samples and augmentations, whichever rank and worker reads them (persistent
@@ -93,15 +110,13 @@ def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, tm
     only 1/3 of what it had trained (the accumulation forgotten) would train on other samples. At world 2 the
     weights are bitwise the uninterrupted run's; at 1 and 4 equal up to the order of the gradient sums (float64:
     1e-9)."""
-    shutil.copy(seeded_runs / "snap.pt", tmp_path / "snap.pt")
-    shutil.copy(seeded_runs / "resumed.pt.steps", tmp_path / "resumed.pt.steps")  # steps 1-5, before the stop
-    resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", nprocs, batch, 0, *SEEDED, *flags)
+    resumed, directory = seeded_resumes[name]
     assert resumed.returncode == 0, resumed.stderr
-    steps, model = trained(tmp_path, "resumed.pt")
+    steps, model = trained(directory, "resumed.pt")
     expected_steps, expected_model = trained(seeded_runs, "straight.pt")
     assert sorted(steps) == sorted(expected_steps) == list(range(1, 13))
     assert_bitwise_equal(steps, expected_steps, "what each step trained on")
-    if nprocs == 2:
+    if RESUMES[name][0] == 2:
         assert_bitwise_equal(model, expected_model, "final model")
     for key, value in expected_model.items():
         torch.testing.assert_close(model[key], value, rtol=1e-9, atol=1e-9)
