@@ -101,16 +101,20 @@ def reference(world: int, batch: int, accum: int, log_every: int, reshuffle: boo
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Every run of RUNS once: (its final model, its stdout)."""
-    out = {}
+    """Every run of RUNS once, all at once (each with its own threads, so the same sums): (its final model, its
+    stdout)."""
+    started = {}
     for world, batch, accum, log_every in RUNS:
         tmp = tmp_path_factory.mktemp(f"world{world}")
-        done = run_min_ddp(tmp, "--nprocs", str(world), "--epochs", str(EPOCHS), "--batch-size", str(batch),
-                           "--grad-accum", str(accum), "--log-every", str(log_every), "--seed", str(SEED),
-                           "--lr", str(LR), "--save-model", str(tmp / "model.pt"), FLOAT64="1",
-                           TRAIN_SIZE=str(TRAIN_SIZE))
+        started[world, batch, accum, log_every] = tmp, start_min_ddp(
+            tmp, "--nprocs", str(world), "--epochs", str(EPOCHS), "--batch-size", str(batch), "--grad-accum",
+            str(accum), "--log-every", str(log_every), "--seed", str(SEED), "--lr", str(LR), "--save-model",
+            str(tmp / "model.pt"), FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
+    results = at_once([proc for _, proc in started.values()], timeout=300)
+    out = {}
+    for (key, (tmp, _)), done in zip(started.items(), results):
         assert done.returncode == 0, done.stderr
-        out[world, batch, accum, log_every] = distributed.load_checkpoint(tmp / "model.pt"), done.stdout
+        out[key] = distributed.load_checkpoint(tmp / "model.pt"), done.stdout
     return out
 
 
@@ -359,12 +363,13 @@ def test_min_ddp_with_accumulation_resumes_bitwise_and_at_world_1(runs, tmp_path
     first = run("--nprocs", "2", "--batch-size", "32", stop="0:4:SIGUSR1")
     assert first.returncode == 138 and "stopped by SIGUSR1 after step 4 of epoch 1" in first.stdout, first.stderr
     shutil.copy(tmp_path / "snap.pt", tmp_path / "at-step-4.pt")
-    second = run("--nprocs", "2", "--batch-size", "32", stop="1:2:SIGUSR1:late")
+    start = lambda *more, stop="": start_min_ddp(tmp_path, *flags, *more, FLOAT64="1",  # noqa: E731
+                                                 TRAIN_SIZE=str(TRAIN_SIZE), STOP_AT=stop)
+    second, alone = at_once([start("--nprocs", "2", "--batch-size", "32", stop="1:2:SIGUSR1:late"),
+                             start("--nprocs", "1", "--batch-size", "64", "--save-model", str(tmp_path / "alone.pt"),
+                                   "--snapshot", str(tmp_path / "at-step-4.pt"))])  # the last --snapshot wins
     assert second.returncode == 138 and "stopped by SIGUSR1 after step 7 of epoch 1" in second.stdout, second.stdout
-    start = lambda *more: start_min_ddp(tmp_path, *flags, *more, FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))  # noqa
-    done, alone = at_once([start("--nprocs", "2", "--batch-size", "32", "--save-model", str(tmp_path / "model.pt")),
-                           start("--nprocs", "1", "--batch-size", "64", "--save-model", str(tmp_path / "alone.pt"),
-                                 "--snapshot", str(tmp_path / "at-step-4.pt"))])  # the last --snapshot wins
+    done = run("--nprocs", "2", "--batch-size", "32", "--save-model", str(tmp_path / "model.pt"))
     assert done.returncode == 0, done.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
     assert alone.returncode == 0 and "in epoch 1 after step 4 (saved at world size 2)" in alone.stdout, alone.stderr
