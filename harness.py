@@ -430,15 +430,6 @@ def readme_snippet() -> str:
         return re.search(r"```python\n(# train\.py.*?)```", f.read(), re.S).group(1)
 
 
-def task_min_ddp_evaluate(spec: dict) -> tuple[float, float, float]:
-    """min_ddp.evaluate on this rank's pad=False share of spec's (input, label) pairs, with a float64 linear model."""
-    import min_ddp
-    data = list(zip(spec["x"], spec["y"].tolist()))
-    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
-    torch.manual_seed(0)
-    return min_ddp.evaluate(nn.Linear(spec["x"].shape[1], CLASSES).double(), loader)
-
-
 def task_readme_evaluate(spec: dict) -> float:
     """The README snippet's evaluate() (its source executed here, as a module) on this rank's pad=False share."""
     namespace = {"__name__": "readme_train"}

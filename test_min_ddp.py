@@ -24,13 +24,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 import distributed
 import min_ddp
 from ddp_check import assert_step_equivalent
 import min_ddp_cli
-from harness import (HERE, assert_bitwise_equal, at_once, default_sigint, leftover_processes, one_thread, run_min_ddp,
-                     run_script, start_min_ddp, without_numpy)
+from harness import (CLASSES, FEATURES, HERE, assert_bitwise_equal, at_once, default_sigint, leftover_processes,
+                     one_thread, run_min_ddp, run_script, start_min_ddp, without_numpy)
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
@@ -405,3 +406,29 @@ def test_min_ddp_step_passes_the_whole_step_check():
     assert_step_equivalent(min_ddp_model, min_ddp_data, min_ddp_step, make_optimizer=min_ddp_momentum, accum=2)
     assert_step_equivalent(min_ddp_model, min_ddp_data, min_ddp_step, make_optimizer=min_ddp_momentum,
                            world_sizes=(2,), accum=3)
+
+
+
+def task_min_ddp_evaluate(spec: dict) -> tuple[float, float, float]:
+    """On every rank of a pool: min_ddp.evaluate on this rank's pad=False share of spec's (input, label) pairs,
+    with a float64 linear model."""
+    data = list(zip(spec["x"], spec["y"].tolist()))
+    loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
+    torch.manual_seed(0)
+    return min_ddp.evaluate(nn.Linear(spec["x"].shape[1], CLASSES).double(), loader)
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_min_ddp_evaluation_sums_unequal_shards_exactly(pools, n):
+    """min_ddp's evaluate() at world 3 on 4 or 5 samples (shards 2-1-1, 2-2-1), where a mean of per-rank means,
+    scaled by the count or not, is visibly off: the sample and correct counts exact (integers), the float64 loss
+    within the reordering of a sum (rtol 1e-12), against one process."""
+    gen = torch.Generator().manual_seed(n)
+    x, y = torch.randn(n, FEATURES, generator=gen, dtype=torch.float64), torch.randint(CLASSES, (n,), generator=gen)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        logits = nn.Linear(FEATURES, CLASSES).double()(x)
+    loss, correct = F.cross_entropy(logits, y).item(), int((logits.argmax(1) == y).sum())
+    for got_loss, got_correct, count in pools.run(3, task_min_ddp_evaluate, {"x": x, "y": y, "batch": 1}):
+        assert (got_correct, count) == (correct, n)
+        assert got_loss == pytest.approx(loss, rel=1e-12, abs=0)
