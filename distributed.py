@@ -53,6 +53,7 @@ import gc
 import hashlib
 import io
 import itertools
+import json
 import linecache
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -64,7 +65,9 @@ import re
 import select
 import shutil
 import signal
+import socket
 import sys
+import struct
 import sysconfig
 import tempfile
 import threading
@@ -161,6 +164,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     from the launcher. A world of one outside any launcher creates no group: every helper here then
     behaves as one process. ``timeout`` (seconds or a timedelta; default ``DEFAULT_TIMEOUT``) bounds
     every collective, so a hung rank makes the others fail instead of waiting 30 minutes.
+    Over TCP the ranks meet on their own store first: a wait says what it waits for (rank 0 not listening,
+    no answer, ranks missing) and one that cannot end fails in seconds, naming the cause and the fix; ranks
+    with different torch (or NCCL) versions fail, and a job across hosts never lets gloo listen on loopback.
     """
     if backend == "nccl" and not torch.cuda.is_available():  # torch would fail at world size 2, naming device_id
         raise ValueError("init_process_group: backend='nccl' needs a GPU and this process sees none "
@@ -188,7 +194,7 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
         torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
-                            device_id=device if backend == "nccl" else None, **_rendezvous(env, timeout))
+                            device_id=device if backend == "nccl" else None, **_rendezvous(env, backend, timeout))
     if env.mode == "spawn" and _JOB_DIR_ENV in os.environ:  # for launch()'s report of a hang
         with open(os.path.join(os.environ[_JOB_DIR_ENV], f"rank{env.rank}.backend"), "w") as f:
             f.write(backend)
@@ -577,24 +583,32 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _rendezvous(env: _Launcher, timeout: datetime.timedelta) -> dict[str, Any]:
-    """init_process_group's init_method= or store= for this launcher."""
-    if env.mode == "spawn":
-        return {"init_method": os.environ[_INIT_METHOD_ENV]}
+def _rendezvous(env: _Launcher, backend: str, timeout: datetime.timedelta) -> dict[str, Any]:
+    """init_process_group's init_method= or store=: over TCP, a store the ranks meet on first (_meet), so a start
+    that cannot complete says why in seconds, on the rank that sees why."""
+    if env.mode == "spawn" and os.environ[_INIT_METHOD_ENV] != "env://":
+        return {"init_method": os.environ[_INIT_METHOD_ENV]}  # a FileStore in the job's own directory: no port
     if env.mode == "slurm":  # every task derives the same address and port from its job
         nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
         addr = os.environ.get("MASTER_ADDR") or _first_host(nodes)
         port = os.environ.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID") % 20000)
-        return {"init_method": f"tcp://{addr}:{port}"}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts and env:// uses the same keys every
-        # attempt: restarted ranks can read the dead attempt's addresses (a prefix per attempt).
-        # https://github.com/pytorch/pytorch/issues/135712
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return {"store": dist.PrefixStore(f"distributed.py/attempt{attempt}", store)}
-    return {"init_method": "env://"}
+    elif missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]:
+        raise ValueError(f"init_process_group: RANK and WORLD_SIZE are set but {' and '.join(missing)} not: set "
+                         "MASTER_ADDR to rank 0's host and MASTER_PORT to a free port there, on every rank")
+    else:
+        addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"MASTER_PORT must be a port number (1-65535), got: {port!r}")
+    start = _Start(env.rank, env.world_size, addr, int(port), timeout)
+    # torchrun's agent (and launch() with MASTER_PORT) already holds the store. It keeps it across restarts, so
+    # restarted ranks could read a dead attempt's keys: a prefix per attempt.
+    # https://github.com/pytorch/pytorch/issues/135712
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = start.store(listen=env.rank == 0 and not agent)
+    if agent:
+        store = dist.PrefixStore(f"distributed.py/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    start.meet(dist.PrefixStore("distributed.py/start", store), backend)
+    return {"store": dist.PrefixStore("distributed.py/group", store)}
 
 
 def _first_host(hostlist: str) -> str:
@@ -613,6 +627,250 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
         raise ValueError(f"timeout must be a positive, finite number of seconds or timedelta, got: {timeout!r}")
     return datetime.timedelta(seconds=seconds)
+
+
+# ------------------------------ The start: ranks meet, and say why when they cannot ----------
+_FIRST_SAY = 3.0  # ranks of a good start begin seconds apart: a shorter wait says nothing
+_SAY_EVERY = 15.0  # seconds between the lines of a wait that goes on
+_CONNECT_WAIT = 5.0  # one connection attempt: no answer by then is said at once (a firewall, a wrong address)
+
+
+class _Start:
+    """One rank's start over TCP: reach rank 0's store, meet every rank, and check what must match before the
+    backend connects. Every wait says what it waits for, on the rank that sees it; a wait that cannot end fails
+    at once. Rank 0 alone reads what every rank wrote, and writes one verdict that every rank reads."""
+
+    def __init__(self, rank: int, world: int, addr: str, port: int, timeout: datetime.timedelta):
+        self.rank, self.world, self.addr, self.port, self.timeout = rank, world, addr, port, timeout
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.host = socket.gethostname()
+
+    def say(self, text: str) -> None:
+        print(f"distributed.py: rank {self.rank} on {self.host}: {text}", file=sys.stderr, flush=True)
+
+    def fail(self, text: str) -> RuntimeError:
+        return RuntimeError(f"init_process_group: rank {self.rank} on {self.host}: {text}")
+
+    def store(self, listen: bool) -> dist.Store:
+        """Rank 0's store: listened on here (rank 0, where no agent holds one), else connected to."""
+        try:
+            found = socket.getaddrinfo(self.addr, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise self.fail(f"MASTER_ADDR={self.addr!r} does not resolve here ({e.strerror}); set it to rank 0's "
+                            f"IP address, or to a name every host resolves (`getent hosts {self.addr}` on each)"
+                            ) from None
+        ips = sorted({info[4][0] for info in found})
+        if not listen:
+            self._reach(ips)
+            return dist.TCPStore(self.addr, self.port, is_master=False, timeout=self._left())
+        if not any(_is_own_address(ip) for ip in ips):
+            raise self.fail(f"MASTER_ADDR={self.addr} ({', '.join(ips)}) is another host; this host's addresses are "
+                            f"{_listed(_addresses())}: every other rank would wait for it. Set MASTER_ADDR to one "
+                            f"of this host's addresses, or start rank 0 on {self.addr}")
+        try:
+            return dist.TCPStore(self.addr, self.port, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        except (RuntimeError, ValueError) as e:
+            raise self.fail(f"cannot listen on MASTER_PORT={self.port} ({str(e).splitlines()[0]}): another job or "
+                            "a process of an earlier run holds it; choose another port") from None
+
+    def _reach(self, ips: list[str]) -> None:
+        """Return once rank 0 listens. A refusal or silence is said (rank 0 may still come); no route fails."""
+        started, said, said_at = time.monotonic(), "", 0.0
+        while True:
+            attempt = max(min(_CONNECT_WAIT, self.deadline - time.monotonic()), 0.1)
+            try:
+                socket.create_connection((self.addr, self.port), timeout=attempt).close()
+                return
+            except ConnectionRefusedError:
+                why = (f"{self.addr}:{self.port} refuses connections: the host answers but nothing listens on the "
+                       "port (rank 0 not started yet, or started with another MASTER_PORT)")
+            except TimeoutError:
+                why = (f"no answer from {self.addr}:{self.port} in {attempt:.0f} s: packets are dropped (a "
+                       f"firewall), or {self.addr} is not rank 0's address")
+            except OSError as e:
+                if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                    raise self.fail(f"no route to MASTER_ADDR={self.addr} ({', '.join(ips)}): {e.strerror}. This "
+                                    f"host's addresses are {_listed(_addresses())}; set MASTER_ADDR to an address of "
+                                    "rank 0's host that this host can reach (`ip route get ADDRESS` shows the way)"
+                                    ) from None
+                why = f"cannot connect to {self.addr}:{self.port}: {e.strerror or e}"
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise self.fail(f"rank 0 was not reached within the timeout ({self.timeout}): {why}")
+            if now - started >= _FIRST_SAY and (why != said or now - said_at >= _SAY_EVERY):
+                self.say(f"waiting for rank 0: {why}; trying until the timeout ({self.timeout})")
+                said, said_at = why, now
+            time.sleep(0.1)
+
+    def meet(self, store: dist.Store, backend: str) -> None:
+        """Every rank writes who and where it is; rank 0 waits for all, naming the missing, and writes whether
+        they can work together; every rank reads that, so they all fail alike, in seconds, or none does."""
+        me = _about_this_rank(backend, self.addr, self.port)
+        store.set(f"rank{self.rank}", json.dumps(me))
+        store.add("joined", 1)
+        if self.rank == 0:
+            store.set("verdict", json.dumps(self._decide(store, backend)))
+        try:  # rank 0 decides at its own deadline at the latest: a little past this rank's
+            store.wait(["verdict"], self._left() + datetime.timedelta(seconds=2 * _CONNECT_WAIT))
+            verdict = json.loads(store.get("verdict"))
+        except RuntimeError:
+            raise self.fail(f"rank 0 ({self.addr}:{self.port}) decided nothing within the timeout ({self.timeout}): "
+                            "it stopped or died while this rank waited (its own output says why)") from None
+        store.add("read", 1)
+        if verdict["error"]:
+            if self.rank == 0:  # its store ends with it: the others read the verdict first
+                give_up = time.monotonic() + _CONNECT_WAIT
+                while int(store.add("read", 0)) < int(store.add("joined", 0)) and time.monotonic() < give_up:
+                    time.sleep(0.02)
+            raise self.fail(verdict["error"])
+        if verdict["spans hosts"] and backend == "gloo" and _is_loopback(me["gloo"]):
+            # Safe: the verdict refused any loopback rank that has no route to offer or whose user chose lo.
+            os.environ["GLOO_SOCKET_IFNAME"] = me["route"][0]
+            self.say(f"this host's name resolves to {me['gloo']} (loopback), where gloo would listen, and the job "
+                     f"spans hosts: using GLOO_SOCKET_IFNAME={me['route'][0]} ({me['route'][1]}), the interface that "
+                     "routes to MASTER_ADDR; set GLOO_SOCKET_IFNAME yourself to choose")
+
+    def _decide(self, store: dist.Store, backend: str) -> dict[str, Any]:
+        """Rank 0: wait for every rank, naming the missing every 15 s; then read what they wrote."""
+        next_say = time.monotonic() + _FIRST_SAY
+        while int(store.add("joined", 0)) < self.world:
+            now = time.monotonic()
+            if now >= self.deadline:
+                return {"error": self._missing(store), "spans hosts": False}
+            if now >= next_say:
+                self.say(f"{self._missing(store, waiting=True)}; waiting until the timeout ({self.timeout})")
+                next_say = now + _SAY_EVERY
+            time.sleep(0.02)
+        written = store.multi_get([f"rank{r}" for r in range(self.world)])
+        return _verdict([json.loads(text) for text in written], backend)
+
+    def _missing(self, store: dist.Store, waiting: bool = False) -> str:
+        missing = [r for r in range(self.world) if not store.check([f"rank{r}"])]
+        text = (f"{self.world - len(missing)} of WORLD_SIZE={self.world} ranks joined; rank {_ranges(missing)} did "
+                f"not (a host whose ranks never started, or WORLD_SIZE one too many)")
+        return text if waiting else f"{text} within the timeout ({self.timeout})"
+
+    def _left(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1.0))
+
+
+def _about_this_rank(backend: str, master_addr: str, port: int) -> dict[str, Any]:
+    """What the ranks compare before the backend connects."""
+    addresses = _addresses()
+    nccl = None
+    if backend == "nccl":
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return {"host": socket.gethostname(), "host id": _host_id(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": nccl, "gloo": _gloo_address(addresses),
+            "gloo chosen": os.environ.get("GLOO_SOCKET_IFNAME"), "nccl chosen": os.environ.get("NCCL_SOCKET_IFNAME"),
+            "route": _route(master_addr, port, addresses), "addresses": _listed(addresses)}
+
+
+def _verdict(ranks: list[dict], backend: str) -> dict[str, Any]:
+    """Rank 0's reading of every rank's facts: an error every rank raises, or None; whether the job spans hosts."""
+    problems = []
+    for what in ("torch", "nccl") if backend == "nccl" else ("torch",):
+        versions: dict[str, list[int]] = {}
+        for rank, about in enumerate(ranks):
+            versions.setdefault(about[what], []).append(rank)
+        if len(versions) > 1:
+            found = "; ".join(f"{version} on rank {_ranges(members)} ({_hosts(ranks, members)})"
+                              for version, members in versions.items())
+            problems.append(f"the ranks run different {what} versions ({found}): install one version on every host")
+    spans = len({about["host id"] for about in ranks}) > 1
+    for rank, about in enumerate(ranks):
+        if not spans:
+            break
+        where = f"rank {rank} on {about['host']} ({about['addresses']})"
+        if backend == "gloo" and _is_loopback(about["gloo"]):
+            if about["gloo chosen"] is not None or about["route"] is None:
+                chosen = f"GLOO_SOCKET_IFNAME={about['gloo chosen']}" if about["gloo chosen"] else "its host name"
+                route = f"{about['route'][0]}, which routes to MASTER_ADDR" if about["route"] else "the interface of "\
+                    "an address the other hosts reach"
+                problems.append(f"the job spans hosts, and {where} would listen for gloo on {about['gloo']} (loopback, "
+                                f"from {chosen}), which no other host reaches: set GLOO_SOCKET_IFNAME={route}")
+        elif backend == "nccl" and (about["nccl chosen"] or "").startswith("lo"):
+            problems.append(f"the job spans hosts, and {where} has NCCL_SOCKET_IFNAME={about['nccl chosen']} "
+                            "(loopback): set it to the interface of an address the other hosts reach")
+    return {"error": " ".join(problems) or None, "spans hosts": spans}
+
+
+def _is_own_address(ip: str) -> bool:
+    """Whether ``ip`` is this host's: only a host's own address can be bound."""
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip in ("::1", "")
+
+
+def _addresses() -> dict[str, str]:
+    """This host's IPv4 address on each interface, by name (Linux; empty elsewhere)."""
+    found: dict[str, str] = {}
+    if sys.platform != "linux":
+        return found
+    import fcntl
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):  # an interface without an IPv4 address
+                answer = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                found[name] = socket.inet_ntoa(answer[20:24])
+    return found
+
+
+def _listed(addresses: dict[str, str]) -> str:
+    return ", ".join(f"{name} {ip}" for name, ip in addresses.items()) or "unknown"
+
+
+def _gloo_address(addresses: dict[str, str]) -> str:
+    """Where gloo will listen, as ProcessGroupGloo chooses: GLOO_SOCKET_IFNAME's interface, else the first address
+    of this host's name that can be bound, else loopback."""
+    if chosen := os.environ.get("GLOO_SOCKET_IFNAME"):
+        return addresses.get(chosen.split(",")[0], "")
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)]
+    except OSError:
+        found = []
+    return next((ip for ip in found if _is_own_address(ip)), "127.0.0.1")
+
+
+def _route(addr: str, port: int, addresses: dict[str, str]) -> list[str] | None:
+    """[interface, address] this host sends from to reach ``addr`` (connecting a UDP socket sends nothing)."""
+    try:
+        ip = socket.getaddrinfo(addr, port, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, port))
+            source = s.getsockname()[0]
+    except OSError:
+        return None
+    name = next((name for name, own in addresses.items() if own == source), None)
+    return None if name is None or _is_loopback(source) else [name, source]
+
+
+def _host_id() -> str:
+    """Ranks with one host id reach each other over loopback: one kernel (its boot id), one network namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5": a list of ranks short enough to read at any world size."""
+    groups = itertools.groupby(enumerate(ranks), lambda pair: pair[1] - pair[0])
+    spans = [[rank for _, rank in group] for _, group in groups]
+    return ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
+
+
+def _hosts(ranks: list[dict], members: list[int]) -> str:
+    names = sorted({ranks[r]["host"] for r in members})
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 # ------------------------------ Data ---------------------------------------------------------
