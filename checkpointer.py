@@ -318,8 +318,11 @@ def handle_stop_signals() -> None:
 def stop_requested() -> signal.Signals | None:
     """The stop signal (one of STOP_SIGNALS) any rank has received, or None; the same on every rank, from
     one all-reduce. Call it on all ranks at the same step boundary, so that all save the same step and exit
-    alike (Checkpointer.step() does), after handle_stop_signals(). Of different signals SIGTERM wins (scancel
-    sends it)."""
+    alike (Checkpointer.step() does). The first call installs the handlers (handle_stop_signals(), in the main
+    thread); until then a stop signal keeps its default effect, so a script that never asks is not changed.
+    Call handle_stop_signals() earlier to record signals from the start. Of different signals SIGTERM wins
+    (scancel sends it)."""
+    handle_stop_signals()
     received = int(distributed.reduce(_recorder().received, "max"))
     return signal.Signals(received) if received else None
 

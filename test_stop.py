@@ -471,3 +471,25 @@ def test_checkpointer_py_reads_only_public_names_and_distributed_py_not_it():
     imports |= {alias.name for node in ast.walk(ast.parse(Path(HERE, "distributed.py").read_text()))
                 if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
     assert not {name for name in imports if "checkpointer" in name}
+
+
+@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path, launcher):
+    """A loop written to stop_requested()'s contract: it asks at every step boundary and never calls
+    handle_stop_signals(). SIGUSR1 to rank 1 alone: the first call installed the handlers, so rank 1 lives, and
+    every rank's next answer is SIGUSR1. Before, the first call raised "the stop signals are not handled here"."""
+    if launcher == "torchrun" and not shutil.which("torchrun"):
+        pytest.skip("torchrun is not on PATH")
+    start = {"launch": [sys.executable], "torchrun": ["torchrun", "--standalone", "--nproc_per_node=2"]}[launcher]
+    proc = subprocess.Popen([*start, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the ranks never asked"
+        time.sleep(0.1)
+    if proc.poll() is None:
+        os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGUSR1)
+    [(code, out, err)] = finish([proc], timeout=60)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"rank {rank} answered SIGUSR1" in out, out + err
