@@ -70,6 +70,50 @@ def test_stop_at_an_epochs_end_and_resume_equals_training_straight_through(strai
     assert resumed["epoch"] == EPOCHS and resumed["optimizer"]["state"], "momentum buffers are saved"
 
 
+def task_chunked_save(spec: dict) -> dict:
+    """A Checkpointer saves per-rank state larger than the gather's chunk, and a fresh one resumes it. The ranks'
+    tensors differ, and rank 1's is longer, so the two byte streams end in different chunks; every 16-MB chunk
+    boundary falls inside a tensor, and the last chunk is partial. The model's Adam state also exceeds a chunk."""
+    import checkpointer
+    rank, path = distributed.get_rank(), spec["path"]
+    stop_handlers = {signum: signal.getsignal(signum) for signum in distributed.STOP_SIGNALS}
+    try:  # a Checkpointer records stop signals: the pool's worker gets its own handlers back after
+        big = torch.randn(spec["floats"] + 1001 * rank, generator=torch.Generator().manual_seed(100 + rank))
+        torch.manual_seed(0)  # the same model on both ranks, as DDP would make it
+        model = torch.nn.Linear(2048, 2048)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 2048)).sum().backward()
+        optimizer.step()
+        checkpointer.Checkpointer(path, model, optimizer, batch_size=1,
+                                  state={"big": big.clone(), "small": torch.tensor([rank])}).save()
+        state = {"big": torch.zeros_like(big), "small": torch.tensor([-1])}
+        resumed_model = torch.nn.Linear(2048, 2048)
+        resumed = torch.optim.Adam(resumed_model.parameters())
+        checkpointer.Checkpointer(path, resumed_model, resumed, batch_size=1, state=state)
+        return {"big": torch.equal(state["big"], big), "small": state["small"].item(),
+                "sum": big.double().sum().item(), "model": torch.equal(resumed_model.weight, model.weight),
+                "adam": all(torch.equal(resumed.state_dict()["state"][0][k], optimizer.state_dict()["state"][0][k])
+                            for k in ("exp_avg", "exp_avg_sq"))}
+    finally:
+        for signum, handler in stop_handlers.items():
+            signal.signal(signum, handler)
+
+
+def test_per_rank_state_beyond_one_gather_chunk_resumes_bitwise(pools, tmp_path):
+    """2 ranks, each with about 40 MB of its own state (three 16-MB chunks, the last partial, boundaries inside
+    the tensor, the ranks' streams of different lengths) and a model whose Adam state exceeds a chunk: saved
+    and resumed at the same world size, every rank gets its own state back bitwise, and the weights too."""
+    import checkpointer
+    floats = 10 << 20  # 40 MB of float32
+    assert 2 * checkpointer._CHUNK < 4 * floats < 3 * checkpointer._CHUNK, "the sizes no longer span 3 chunks"
+    results = pools.run(2, task_chunked_save, {"path": str(tmp_path / "snap.pt"), "floats": floats}, timeout=120)
+    for rank, found in enumerate(results):
+        assert found["big"], f"rank {rank}'s 40-MB state did not come back bitwise"
+        assert found["small"] == rank, f"rank {rank} got rank {found['small']}'s state"
+        assert found["model"] and found["adam"], f"rank {rank}: the weights or Adam's state differ"
+    assert results[0]["sum"] != results[1]["sum"], "the ranks' states must differ for the test to mean anything"
+
+
 def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(straight, one_epoch, tmp_path):
     """2 x 64 -> 1 x 128 continues the same run, not bitwise (the reduction order changes): float64, to
     the suite's rtol = atol = 1e-9 (float32 drifts ~1e-4 over 3 epochs)."""
