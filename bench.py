@@ -5,6 +5,7 @@
     python bench.py --srun          # only the SLURM row (needs a cluster: bash .ci/slurm up)
     python bench.py --save          # only a Checkpointer save with 64 MB of state per rank, world 2
     python bench.py --start         # only a good start by hand (env://): init_process_group, ours against torch's
+    python bench.py --world3        # only world 3: what bitwise resume costs (shared memory, gloo, find_unused)
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -93,7 +94,9 @@ def train_steps(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
 def min_ddp_trainer(steps: int, allreduce: str) -> Callable[[], float]:
     """Warmed up; epoch() trains `steps` steps: global samples/s (of the slowest rank)."""
     (model, optimizer), world = bench_model(), dist.get_world_size()
-    ddp_model = DDP(model, gradient_as_bucket_view=True) if world > 1 else model  # as min_ddp wraps its model
+    ddp_model = model
+    if world > 1:  # as min_ddp wraps its model; "gloo-find-unused": the opt-in route to bitwise resume at 3+
+        ddp_model = DDP(model, gradient_as_bucket_view=True, find_unused_parameters=allreduce == "gloo-find-unused")
     if world > 1 and allreduce == "shared-memory":
         assert shared_memory_allreduce(ddp_model, 300)
     warm, timed = (DataLoader(data, batch_size=BATCH, sampler=dist.data_sampler(data, True, True))
@@ -265,6 +268,33 @@ def start_seconds(how: str) -> float:
     return max(left for _, left in times) - max(entered for entered, _ in times)
 
 
+def world3(steps: int, runs: int) -> str:
+    """min_ddp's loop at world 3: the shared-memory all-reduce (whose owner now divides its own share apart,
+    one more pass over a third of the gradients), gloo, and gloo with find_unused_parameters=True (no bucket
+    rebuild). The extra pass is timed alone, one thread as each rank has here, against the loop's step."""
+    found = {kind: [turns(3, steps, kind, rounds=3)[1] for _ in range(runs)]
+             for kind in ("shared-memory", "gloo", "gloo-find-unused")}
+    step_ms = {kind: [1000 * BATCH * 3 / s for s in values] for kind, values in found.items()}
+    chunk = torch.randn(sum(p.numel() for p in bench_model()[0].parameters()) // 3)
+    torch.set_num_threads(1)
+    passes = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(100):
+            chunk.div_(3)
+        passes.append((time.perf_counter() - start) * 10)  # ms per pass
+    median = {kind: statistics.median(v) for kind, v in step_ms.items()}
+    share = [statistics.median(passes) / ms for ms in step_ms["shared-memory"]]
+    unused = [u / g for u, g in zip(step_ms["gloo-find-unused"], step_ms["gloo"])]
+    return (f"world 3, ms per step (median of {runs}): shared memory {median['shared-memory']:.1f}, gloo "
+            f"{median['gloo']:.1f}, gloo + find_unused_parameters {median['gloo-find-unused']:.1f}\n"
+            f"the owner's own division, one pass over a third of the gradients: {statistics.median(passes):.3f} ms "
+            f"(runs: {min(passes):.3f}-{max(passes):.3f}) = {100 * statistics.median(share):.2f}% of the "
+            f"shared-memory step (runs: {100 * min(share):.2f}-{100 * max(share):.2f}%; target <= 1%)\n"
+            f"find_unused_parameters=True against plain gloo, run by run: {statistics.median(unused):.3f}x "
+            f"(runs: {min(unused):.3f}-{max(unused):.3f})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -336,6 +366,7 @@ def main() -> None:
     p.add_argument("--srun", action="store_true", help="only the SLURM row (needs a cluster: bash .ci/slurm up)")
     p.add_argument("--save", action="store_true", help="only a Checkpointer save, 64 MB of state per rank")
     p.add_argument("--start", action="store_true", help="only a good start by hand: ours against torch's env://")
+    p.add_argument("--world3", action="store_true", help="only world 3: what bitwise resume costs")
     p.add_argument("--start-rank", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
@@ -354,6 +385,8 @@ def main() -> None:
               f"ours minus torch's, pair by pair: median {statistics.median(extra):+.3f} s (runs: {extra[0]:+.3f} to "
               f"{extra[-1]:+.3f}; target <= +0.3)")
         return None
+    if args.world3:
+        return print(world3(args.steps, args.runs))
     if args.save:
         found = run_launched(save_worker, 2, 2 * args.runs + 1)
         seconds = found["seconds"][1:]  # the first save also pays its first-time costs

@@ -84,7 +84,11 @@ class Checkpointer:
     Bitwise as if never stopped, at the same number of processes: every generator the loop draws from in the
     ranks (dropout on CPU and CUDA, augmentation with ``num_workers=0``, a torch.Generator in ``state``), with
     accumulation; with loader workers, only when the dataset is ``distributed.seeded_dataset``'s. On GPUs also
-    only with deterministic kernels. At another number of processes: the same samples in every step, within
+    only with deterministic kernels. From 3 processes on, also only where the gradient sum does not depend on
+    DDP's bucket layout, which a resumed DDP's first step changes: with shared_memory_allreduce, or with
+    ``DDP(model, find_unused_parameters=True)`` (no rebuild); on plain gloo or NCCL that step rounds
+    differently (about 3e-17 in float64, 1.5e-8 in float32) and the run goes on within rounding.
+    At another number of processes: the same samples in every step, within
     float rounding; each rank the snapshot had keeps its generators, a new rank gets its own (derived from the
     snapshot and its rank), so dropout cannot match.
     """

@@ -41,7 +41,8 @@ def shared_memory_allreduce(
 
     The result is DDP's own mean (each rank divides by the world size, then the shares are summed):
     bitwise what gloo gives for two ranks; for more, the sum runs in rank order, so it can differ
-    from gloo's ring order in the last bit, never between ranks.
+    from gloo's ring order in the last bit, never between ranks, and never with DDP's bucket layout:
+    a resume is bitwise at any number of processes.
 
     How: each rank sums one chunk of every bucket from the shares the others wrote to the shared
     mapping, and copies the other chunks' sums back, with a spin barrier between. A rank that dies
@@ -151,18 +152,21 @@ class _SharedGradients:
         return _done(grads)
 
     def _sum_chunk(self, mine: torch.Tensor, shares: list[Any]) -> None:
-        """Owner's step: every rank's share of my chunk summed in rank order, into ``mine`` and
-        over the peers' shares. My own share is fused into its add as ``mine * (1 / world)``: for
-        two ranks that is bitwise gloo's result (a + b = b + a, and halving is exact unless the half
-        is subnormal), for more it may differ in the last bit, never between ranks."""
+        """Owner's step: every rank's share of my chunk summed in rank order, ((s0 + s1) + s2) + ..., into
+        ``mine`` and over the peers' shares. My own share is ``mine / world``, the same division as every
+        peer's, so an element's sum depends on its values alone, not on which rank owns its chunk, which moves
+        with DDP's bucket layout (a resumed DDP's first step runs in another one: bitwise resume at any world
+        size). For two ranks it is bitwise gloo's result (a + b = b + a, and halving is exact unless the half is
+        subnormal); for more it may differ from gloo's ring order in the last bit, never between ranks."""
         world, me = self.world, self.rank
-        if me == 0:  # rank 1's share + mine, which is bitwise mine + rank 1's
-            torch.add(shares[1], mine, alpha=1 / world, out=mine)
+        mine.div_(world)
+        if me == 0:  # my share + rank 1's
+            mine.add_(shares[1])
             later = range(2, world)
         else:  # the ranks below mine summed in rank 0's region, then + my share
             for rank in range(1, me):
                 shares[0].add_(shares[rank])
-            torch.add(shares[0], mine, alpha=1 / world, out=mine)
+            torch.add(shares[0], mine, out=mine)  # bitwise mine + shares[0]: IEEE addition commutes
             later = range(me + 1, world)
         for rank in later:
             mine.add_(shares[rank])

@@ -1,7 +1,7 @@
 """A loop with real training's randomness, on a Checkpointer (test_stop.py):
 
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded] [--workers K]
-                          [--persistent] [--accum K] [--stop-mid-group]
+                          [--persistent] [--accum K] [--stop-mid-group] [--ddp plain|find-unused|shared-memory]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import distributed  # noqa: E402
 from checkpointer import Checkpointer  # noqa: E402
+from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
 
 SAMPLES, FEATURES = 256, 8
 
@@ -62,7 +63,11 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     try:
         ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.accum,
                             settings={"augment": args.augment}, check_every=1)
-        ddp = DDP(model) if distributed.get_world_size() > 1 else model
+        ddp = model
+        if distributed.get_world_size() > 1:
+            ddp = DDP(model, find_unused_parameters=args.ddp == "find-unused")
+            if args.ddp == "shared-memory":
+                assert shared_memory_allreduce(ddp), "the shared-memory all-reduce did not take over"
         steps_here = 0
         for _ in ckpt.epochs(2):
             done = ckpt.epoch_steps * args.accum  # batches trained before a mid-epoch resume (the sampler skips them)
@@ -111,6 +116,8 @@ def main() -> None:
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--stop-mid-group", action="store_true", help="signal during step STOP's group, not after it")
+    p.add_argument("--ddp", choices=["plain", "find-unused", "shared-memory"], default="plain",
+                   help="DDP(model); with find_unused_parameters=True; with shared_memory_allreduce")
     args = p.parse_args()
     distributed.launch(worker, args, nprocs=args.nprocs)
 
