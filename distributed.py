@@ -1362,6 +1362,8 @@ _STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> sh
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 # This project's files, beside this one: their frames are never "your code" in a report.
 _LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py")
+# This project's functions that wait for every rank: a rank inside one is waiting for its peers.
+_COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested")
 # Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
 _COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
 
@@ -1446,6 +1448,12 @@ def _collective(inner: list[tuple[str, str, str]]) -> str:
         return ""
     file, _, called = inner[-1]
     if called == "backward":
+        return called
+    # Inside one of this project's collective helpers: waiting, whatever is below it. Under nccl the collective
+    # returns once queued, and the rank blocks (and the watchdog's SIGABRT finds it) in the helper's copy back to
+    # the CPU, below no torch.distributed frame.
+    if any(os.path.basename(file) in _LIBRARY_FILES and function in _COLLECTIVE_HELPERS
+           for file, _, function in inner):
         return called
     communicating = [function for file, _, function in inner if file.endswith(".py") and
                      any(part in file for part in _COMMUNICATION)]

@@ -816,6 +816,28 @@ def test_hang_report_under_nccl_says_blocked_not_never_reached():
     assert "rank 1: not in a collective (it never reached it), at train.py:41" in distributed._where_ranks_are(stacks, {})
 
 
+def test_hang_report_under_nccl_calls_a_rank_in_a_helpers_copy_waiting():
+    """Under nccl a rank waiting in reduce() of a CPU value, save_checkpoint() or a Checkpointer's step() dies of
+    the watchdog's SIGABRT in the helper's copy back to the CPU, below no torch.distributed frame (all_reduce
+    returned once queued). It is waiting, named by the function the user's line called; before, it was
+    "blocked outside a collective call", the words for the stuck rank."""
+    import checkpointer
+    user = "/home/me/train.py"
+    stack = lambda *frames: "Thread 0x1 (most recent call first):\n" + "".join(  # noqa: E731
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
+    stacks = {0: stack((distributed.__file__, 285, "reduce"), (user, 30, "main_worker")),
+              1: stack((distributed.__file__, 711, "_all_gather_bytes"),
+                       (distributed.__file__, 340, "save_checkpoint"), (user, 31, "main_worker")),
+              2: stack((distributed.__file__, 285, "reduce"), (checkpointer.__file__, 210, "_check"),
+                       (checkpointer.__file__, 195, "step"), (user, 32, "main_worker")),
+              3: stack((user, 41, "evaluate"), (user, 33, "main_worker"))}
+    report = distributed._where_ranks_are(stacks, {}, nccl=True)
+    assert "rank 0: waiting in reduce(), at train.py:30 in main_worker" in report, report
+    assert "rank 1: waiting in save_checkpoint(), at train.py:31 in main_worker" in report, report
+    assert "rank 2: waiting in step(), at train.py:32 in main_worker" in report, report
+    assert "rank 3: blocked outside a collective call, at train.py:41 in evaluate" in report, report
+
+
 def test_the_hang_report_says_a_rank_that_raised_raised_where_it_did():
     """Rank 1 raised (its traceback places it, not a live stack) outside any collective while rank 0 waited:
     it "raised at" its line; neither "blocked" (a word for a live rank under nccl) nor "never reached it"."""
