@@ -547,17 +547,25 @@ def _device_for(local_rank: int, nccl: bool) -> torch.device:
 
 def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
     """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
+    # SLURM 23.11+ reports --gpus-per-task in SLURM_TRES_PER_TASK ("cpu=1,gres/gpu=1", "gres/gpu:a100:2").
+    per_task = re.search(r"gres[/:]gpu(?::[\w.-]+)?[:=](\d+)", os.environ.get("SLURM_TRES_PER_TASK", ""))
+    gpus_per_task = _env_int("SLURM_GPUS_PER_TASK") if "SLURM_GPUS_PER_TASK" in os.environ else 0
+    gpus_per_task = gpus_per_task or (int(per_task.group(1)) if per_task else 0)
+    if mode == "slurm" and gpus_per_task and gpus <= gpus_per_task:
+        return 0  # srun --gpus-per-task=k shows each task its own k GPUs: the first is this rank's
     if local_rank < gpus:
         return local_rank
-    # srun --gpus-per-task=1 shows each task its own GPU as cuda:0; --gres=gpu:1 with 2 tasks shows both the
-    # same one (NCCL then dies with "Duplicate GPU detected").
+    # --gres=gpu:1 with 2 tasks shows both the same one (NCCL then dies with "Duplicate GPU detected"); a step with
+    # a GPU per task, each bound to its own, shows each task one.
     step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
-    # SLURM 23.11+ reports --gpus-per-task in SLURM_TRES_PER_TASK ("cpu=1,gres/gpu=1", "gres/gpu:a100:1").
-    per_task = re.search(r"gres[/:]gpu(?::[\w.-]+)?[:=](\d+)", os.environ.get("SLURM_TRES_PER_TASK", ""))
-    gpus_per_task = "SLURM_GPUS_PER_TASK" in os.environ or bool(per_task and int(per_task.group(1)) > 0)
-    own_gpu = mode == "slurm" and (gpus_per_task or len(step_gpus) > local_rank)
-    if not nccl or gpus == 1 and own_gpu:
+    if not nccl or gpus == 1 and mode == "slurm" and len(step_gpus) > local_rank:
         return local_rank % gpus
+    if mode == "slurm" and len(step_gpus) > gpus:
+        binding = os.environ.get("SLURM_GPU_BIND", "") or "a --gpu-bind"
+        raise RuntimeError(f"local rank {local_rank} sees {gpus} of its step's {len(step_gpus)} GPUs: SLURM's binding "
+                           f"({binding}) shows each task a subset, in which local ranks cannot find a GPU of their "
+                           "own. Use --gpu-bind=none (every task sees every GPU and local rank k takes GPU k) or "
+                           "--gpus-per-task=1")
     raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
                        "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
                        f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "

@@ -641,7 +641,7 @@ def test_the_suite_inside_a_batch_job_never_requeues_that_job(tmp_path):
 def test_gpus_per_task_is_read_from_newer_slurms_tres_per_task(monkeypatch, tres, own):
     """SLURM 23.11+ reports `srun --gpus-per-task=1` as SLURM_TRES_PER_TASK, not SLURM_GPUS_PER_TASK: each task's
     one visible GPU is its own, and the job is not refused as two ranks sharing one GPU."""
-    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"):
+    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_TRES_PER_TASK", "SLURM_GPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_TRES_PER_TASK", tres)
     if own:
@@ -649,6 +649,18 @@ def test_gpus_per_task_is_read_from_newer_slurms_tres_per_task(monkeypatch, tres
     else:
         with pytest.raises(RuntimeError, match="local rank 1 has no GPU of its own"):
             distributed._gpu_index(1, 1, "slurm", True)
+
+
+def test_a_gpu_binding_that_shows_each_task_a_subset_is_named_with_its_fix(monkeypatch):
+    """srun --ntasks-per-node=8 --gres=gpu:8 --gpu-bind=closest shows each task its socket's 4 GPUs: local rank 4
+    cannot find one of its own there. The error names the binding and the fix, not --ntasks-per-node=4."""
+    monkeypatch.setenv("SLURM_STEP_GPUS", "0,1,2,3,4,5,6,7")
+    monkeypatch.setenv("SLURM_GPU_BIND", "closest")
+    for name in ("SLURM_GPUS_PER_TASK", "SLURM_TRES_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"local rank 4 sees 4 of its step's 8 GPUs: SLURM's binding \(closest\) "
+                                           r"shows each task a subset.*--gpu-bind=none.*--gpus-per-task=1"):
+        distributed._gpu_index(4, 4, "slurm", True)
 
 
 @pytest.mark.parametrize("local_rank, gpus, mode, nccl, env, index", [
@@ -660,11 +672,15 @@ def test_gpus_per_task_is_read_from_newer_slurms_tres_per_task(monkeypatch, tres
     (1, 1, "torchrun", False, {}, 0),    # gloo with CUDA tensors may share a GPU
     (3, 2, "slurm", False, {}, 1),
     (1, 1, "torchrun", True, {}, None), (2, 2, "slurm", True, {}, None), (4, 4, "spawn", True, {}, None),
+    (4, 2, "slurm", True, {"SLURM_GPUS_PER_TASK": "2"}, 0),  # --gpus-per-task=2: the task's first of its own 2
+    (4, 2, "slurm", True, {"SLURM_TRES_PER_TASK": "cpu=4,gres/gpu:a100:2"}, 0),
+    (1, 8, "slurm", True, {"SLURM_GPUS_PER_TASK": "2"}, 1),  # --gpu-bind=none: every task sees all 8
+    (3, 4, "slurm", True, {"SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7"}, 3),  # --gpu-bind=closest, first socket
 ])
 def test_more_local_ranks_than_gpus_under_nccl_is_an_error_naming_the_fix(monkeypatch, local_rank, gpus, mode, nccl,
                                                                           env, index):
     """NCCL refuses two ranks on one GPU with its own message: ours says what to change, before NCCL starts."""
-    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS"):
+    for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_TRES_PER_TASK", "SLURM_GPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
