@@ -269,6 +269,15 @@ def _step_rank(spec: dict) -> dict:
     return record
 
 
+def _devices_hint(error: str) -> str:
+    """What to do when a rank's error says it looked for a GPU: the check's ranks are CPU processes."""
+    if "No CUDA GPUs are available" not in error and "not compiled with CUDA" not in error:
+        return ""
+    return ("\nThe check's ranks are CPU processes: leave devices and autocast to it. Write the step without "
+            ".cuda(), .to('cuda') or autocast('cuda'): the check's model and batches are on the CPU, and its "
+            "mixed_precision= runs the step under CPU autocast.")
+
+
 def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], data_causes: list[str],
                   accept_every: bool) -> str | None:
     """The first difference among the four runs, with the cause it points to; None when they agree."""
@@ -294,7 +303,7 @@ def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], data_
                                 "or make them take part"))
         errors = [line for line in record["error"].rstrip().splitlines() if "Error" in line]
         lines.append((errors or record["error"].rstrip().splitlines())[-1][:300])
-        return "\n".join(lines)
+        return "\n".join(lines) + _devices_hint(record["error"])
     for step, syncs in enumerate(ddp[0]["syncs"], 1):
         if syncs == list(range(1, accum + 1)) and accum > 1 and not accept_every:
             return (f"{head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: the values "
@@ -696,6 +705,7 @@ class WorkerPool:
         errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
         if errors:
             report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+            report += _devices_hint(report)
             raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n"
                             f"{report}", errors)
         return [replies[r][1] for r in range(self.world)]

@@ -280,6 +280,9 @@ def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.T
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce: unknown op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
     tensor = torch.as_tensor(value)
+    if tensor.is_complex() and op in ("max", "min"):  # refused at any world size, not only where ranks meet
+        raise ValueError(f"reduce: op {op!r} has no meaning for complex numbers (got {tensor.dtype}); reduce the "
+                         "real and imaginary parts or the magnitudes (value.abs()) instead")
     out_dtype = _reduce_dtype(tensor.dtype, op)
     # A copy, contiguous: NCCL refuses a strided tensor (x.T, preds[:, 0]) that gloo takes.
     result = tensor.detach().to(dtype=_wire_dtype(out_dtype), memory_format=torch.contiguous_format, copy=True)
@@ -357,7 +360,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
     """The dict saved at ``path`` (on this rank's device by default), or None if there is no file.
 
     ``weights_only=True``: a pickle that would build arbitrary objects (and could run code) is
-    refused. A corrupt or truncated file is an error naming it, never a silent fresh start.
+    refused. A corrupt or truncated file is an error naming it, never a silent fresh start. Memory-mapped:
+    the ranks of a node read the file's shared pages, none holds a private copy of the whole snapshot.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -366,7 +370,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
         on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
         map_location = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        # mmap: the ranks of a node share the file's pages instead of each holding a private copy of the whole
+        # snapshot while it is restored (8 ranks x 48 GB would not fit a node's memory).
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # a damaged file fails anywhere in torch's readers, with any exception
         if isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e):  # torch's message says what to do
             raise pickle.UnpicklingError(f"refusing to load {path}, it holds objects that could run code: {e}") from e
@@ -1031,6 +1037,7 @@ class _Workers:
 
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
+        self.started = time.time()  # NCCL flight-recorder dumps older than this are another job's
         self.processes: list[mp.Process] = []
         self.store = None
         try:
@@ -1148,6 +1155,8 @@ class _Workers:
                            "batches)")
         if stacks is not None:  # a collective timed out: where was each rank?
             error.add_note(_where_ranks_are(stacks, reports, nccl=self._backend() == "nccl"))
+        if self._backend() == "nccl" and (dumps := _flight_recorder_dumps(len(self.processes), self.started)):
+            error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
         return error
 
     def _exit_error(self, rank: int) -> WorkerFailed:
@@ -1417,6 +1426,18 @@ def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nc
         lines.append(f"  {called}() on rank 0 is a collective inside a primary-only branch (`if is_primary():`):"
                      " every rank must call it; move it out of the branch")
     return "\n".join(lines)
+
+
+def _flight_recorder_dumps(world: int, since: float) -> list[str]:
+    """The dumps NCCL's flight recorder wrote for this job's ranks (on a watchdog timeout, where its trace buffer
+    is on): TORCH_NCCL_DEBUG_INFO_TEMP_FILE (default /tmp/nccl_trace_rank_) + the rank, newer than ``since``."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    found = []
+    for rank in range(world):
+        with contextlib.suppress(OSError):
+            if os.stat(f"{prefix}{rank}").st_mtime >= since:
+                found.append(f"{prefix}{rank}")
+    return found
 
 
 def _keep_stacks(texts: dict[int, str]) -> str:

@@ -240,6 +240,23 @@ def test_reduce_unknown_op_names_the_op_and_the_choices(op):
         distributed.reduce(torch.ones(1), op)
 
 
+def task_reduce_complex_max(spec: dict) -> str:
+    try:
+        distributed.reduce(torch.tensor([1 + 2j]), spec["op"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_reduce_refuses_max_of_complex_at_every_world_size(pools, op):
+    """max/min of complex numbers has no meaning: refused alike at world 1 (it was a copy) and world 2 (it was a
+    torch error from inside the all-reduce), naming the op and what to reduce instead."""
+    expected = f"reduce: op {op!r} has no meaning for complex numbers (got torch.complex64)"
+    assert task_reduce_complex_max({"op": op}).startswith(expected)
+    assert all(found.startswith(expected) for found in pools.run(2, task_reduce_complex_max, {"op": op}))
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Exact evaluation
 # ---------------------------------------------------------------------------------------------

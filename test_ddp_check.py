@@ -552,6 +552,21 @@ def test_a_buggy_step_fails_naming_its_cause(train_step, message):
         assert_step_equivalent(mlp, vectors, train_step, world_sizes=(2,))
 
 
+def step_moves_batches_to_cuda(model, optimizer, scaler, micro_batches, step):
+    """A step copied from a GPU loop as is: it moves each batch to the GPU itself."""
+    for x, y in micro_batches:
+        torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda()).backward()
+    optimizer.step()
+
+
+def test_a_step_that_moves_to_cuda_gets_the_devices_hint():
+    """The check runs its ranks on CPU: a step with x.cuda() fails with torch's "No CUDA GPUs are available" (or
+    "not compiled with CUDA") from every rank, and the check says to leave devices and autocast to it."""
+    with pytest.raises(AssertionError, match=r"(No CUDA GPUs are available|not compiled with CUDA)(.|\n)*The "
+                                             r"check's ranks are CPU processes: leave devices and autocast to it"):
+        assert_step_equivalent(mlp, vectors, step_moves_batches_to_cuda, world_sizes=(2,))
+
+
 def test_no_sync_around_the_backward_passes_when_its_traffic_is_accepted():
     assert_step_equivalent(mlp, vectors, step_no_sync_around_backward_only, world_sizes=(2,),
                            accept_sync_every_micro_step=True)

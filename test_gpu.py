@@ -52,7 +52,10 @@ def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> 
     started = time.monotonic()
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                          preexec_fn=no_core_dumps, env={**os.environ, "DDP_TEST_MARKER": marker,
-                                                        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000"})
+                                                        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
+                                                        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                                                        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "trace_")})
     return out, marker, time.monotonic() - started
 
 
@@ -159,6 +162,7 @@ def test_hung_nccl_rank_fails_after_the_timeout_and_both_are_placed(tmp_path):
     assert "Where each rank was when the collective timed out" in out.stderr, out.stderr[-3000:]
     assert f"rank 0: blocked outside a collective call, at gpu_job.py:{item} in worker" in out.stderr, out.stderr[-3000:]
     assert "under nccl a rank waits for an earlier collective" in out.stderr
+    assert f"NCCL's flight recorder wrote each rank's last collectives (pickles): {tmp_path / 'trace_'}0" in out.stderr
     assert leftover_processes(marker) == []
 
 

@@ -854,6 +854,17 @@ def test_hang_report_under_nccl_calls_a_rank_in_a_helpers_copy_waiting():
     assert "rank 3: blocked outside a collective call, at train.py:41 in evaluate" in report, report
 
 
+def test_the_report_finds_this_jobs_nccl_flight_recorder_dumps(tmp_path, monkeypatch):
+    """NCCL's watchdog dumps each rank's last collectives to TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank: the launcher's
+    report names this job's dumps, not an older job's (the GPU path is in test_gpu.py, unverified here)."""
+    prefix = str(tmp_path / "trace_rank_")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
+    for rank in (0, 2):
+        Path(f"{prefix}{rank}").write_bytes(b"dump")
+    os.utime(f"{prefix}2", (1, 1))  # an older job's
+    assert distributed._flight_recorder_dumps(4, time.time() - 60) == [f"{prefix}0"]
+
+
 def test_the_hang_report_says_a_rank_that_raised_raised_where_it_did():
     """Rank 1 raised (its traceback places it, not a live stack) outside any collective while rank 0 waited:
     it "raised at" its line; neither "blocked" (a word for a live rank under nccl) nor "never reached it"."""

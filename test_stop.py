@@ -425,6 +425,21 @@ def test_restored_state_keeps_each_tensors_device(tmp_path, stop_signals_restore
     assert state["count"] == 3 and state["pair"][1] == 1 and isinstance(state["pair"], tuple)
 
 
+@pytest.mark.parametrize("saved, resumed", [(False, True), (True, False)])
+def test_a_gradscaler_resumed_with_another_setting_is_a_settings_error(tmp_path, stop_signals_restored, saved,
+                                                                        resumed):
+    """A snapshot saved with a disabled GradScaler resumed with an enabled one raised torch's bare "The source
+    state dict is empty"; the reverse was silently ignored. Both name the difference and the fix."""
+    path, model = tmp_path / "run.pt", torch.nn.Linear(2, 1)
+    checkpointer.Checkpointer(path, model, batch_size=1,
+                              state={"scaler": torch.amp.GradScaler("cpu", enabled=saved)}).save()
+    was, now = ("enabled" if saved else "disabled"), ("enabled" if resumed else "disabled")
+    with pytest.raises(ValueError, match=rf"state\['scaler'\] of a GradScaler that was {was}, and this run's is "
+                                         rf"{now}: resume with the same mixed-precision setting"):
+        checkpointer.Checkpointer(path, model, batch_size=1,
+                                  state={"scaler": torch.amp.GradScaler("cpu", enabled=resumed)})
+
+
 @pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
 def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
         tmp_path, wrap, stop_signals_restored):
