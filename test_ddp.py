@@ -478,6 +478,23 @@ def test_seeded_dataset_gives_each_sample_one_draw_per_epoch_and_spares_the_call
         distributed.seeded_dataset(RandomCrops(), 1.5)
 
 
+def test_seeded_dataset_draws_per_index_alike_in_any_worker_and_resume():
+    """Every index of an epoch gets its own draw (torch's and Python's: a seed that ignored the index gave every
+    sample of an epoch the same augmentation); the same index gets the same draw in two DataLoader workers and in
+    a new wrapper, as a resumed process builds it."""
+    data = distributed.seeded_dataset(RandomCrops(), seed=7)
+    draws = [data[i] for i in range(len(data))]
+    noise = [x - i for i, (x, _) in enumerate(draws)]  # RandomCrops adds the index: (r + i) - i is r to rounding
+    closest = min((a - b).abs().max().item() for n, a in enumerate(noise) for b in noise[n + 1:])
+    assert closest > 1e-3, f"two indices drew the same torch noise (closest pair {closest:.1e} apart)"
+    assert len({p for _, p in draws}) == len(data), "two indices drew the same Python random()"
+    loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[3, 3], num_workers=2)
+    (x0, p0), (x1, p1) = [(x[0], p.item()) for x, p in loader]  # batch 0 from worker 0, batch 1 from worker 1
+    assert torch.equal(x0, x1) and torch.equal(x0, draws[3][0]) and p0 == p1 == draws[3][1]
+    resumed = distributed.seeded_dataset(RandomCrops(), seed=7)[3]
+    assert torch.equal(resumed[0], draws[3][0]) and resumed[1] == draws[3][1]
+
+
 def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
     sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
     with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):
