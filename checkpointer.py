@@ -93,7 +93,15 @@ class Checkpointer:
     differently (about 3e-17 in float64, 1.5e-8 in float32) and the run goes on within rounding.
     At another number of processes: the same samples in every step, within
     float rounding; each rank the snapshot had keeps its generators, a new rank gets its own (derived from the
-    snapshot and its rank), so dropout cannot match.
+    snapshot and its rank), so dropout cannot match, nor BatchNorm's statistics, which each process computes on its
+    own batches (a resnet18's running_var moved by 88 from 2 to 1 process): synchronized BatchNorm keeps them.
+
+    A number in ``state`` (a best accuracy, a counter) is restored into the dict, not into your variable: read it
+    back after construction (``best = state["best"]``) and write it before each save (``state["best"] = best``).
+    Training meters restart at a mid-epoch resume unless their sums live in ``state`` (as min_ddp keeps its
+    unlogged loss and accuracy sums): then the epoch's averages cover every step, not only those since the resume.
+    Messages count epochs from 1 ("after step 3 of epoch 2"), as people say them; ``epoch`` counts from 0, as
+    ``range()`` does: that message is ``epoch == 1``.
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,

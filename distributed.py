@@ -188,6 +188,7 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
                          f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker")
     if env.mode == "torchrun":
         _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
+    _name_process(f"r{env.rank}")
     if env.mode != "spawn":  # `kill -QUIT <pid>` prints where this rank is (launch() collects its own)
         faulthandler.register(_STACK_SIGNAL, all_threads=True)
     if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
@@ -238,6 +239,10 @@ def cleanup() -> None:
 def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
                  seed: int = 0) -> Sampler | None:
     """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
+
+    Pass ``distributed=True`` in every run, one process included (a world of one then gets every sample): a port
+    that passes its own ``args.distributed``, False at one process, gets None there, and with it loses the same
+    order at any process count and a Checkpointer's mid-epoch resume (which skips through the sampler).
 
     Every rank draws the same permutation for an epoch (``seed + epoch``): call
     ``sampler.set_epoch(epoch)`` every epoch, or every epoch repeats the same order.
@@ -457,6 +462,18 @@ class _Launcher(NamedTuple):
     rank: int
     local_rank: int
     world_size: int
+
+
+def _name_process(suffix: str) -> None:
+    """Name this process <script>:<suffix> (Linux: what ps -o comm, top and pgrep show), so that a rank is found by
+    `pgrep -o -x train:r1` under any launcher: launch()'s ranks show only the forkserver's command line."""
+    if sys.platform != "linux":
+        return
+    script = os.path.splitext(os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "python"))[0]
+    name = f"{script[:14 - len(suffix)]}:{suffix}"
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME; loader workers forked later inherit it
 
 
 def _launcher_env() -> _Launcher | None:

@@ -508,3 +508,22 @@ def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path,
     assert code == 0, err
     for rank in (0, 1):
         assert f"rank {rank} answered SIGUSR1" in out, out + err
+
+
+@pytest.mark.skipif(not shutil.which("pgrep") or sys.platform != "linux", reason="needs pgrep on Linux")
+def test_a_rank_is_found_by_its_process_name_and_signalled(tmp_path):
+    """launch()'s ranks show the forkserver's command line, so `ps | grep train.py` finds only the launcher; each
+    rank is named <script>:r<rank>, and the README's `pgrep -o -x asks_to_stop:r1` finds rank 1 (the oldest of
+    that name: its loader workers inherit it). Signalled that way, every rank answers."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the ranks never asked"
+        time.sleep(0.1)
+    found = subprocess.run(["pgrep", "-o", "-x", "asks_to_stop:r1"], capture_output=True, text=True, timeout=30)
+    if proc.poll() is None and found.returncode == 0:
+        os.kill(int(found.stdout), signal.SIGUSR1)
+    [(code, out, err)] = finish([proc], timeout=60)
+    assert found.stdout.strip() == (tmp_path / "rank1.pid").read_text(), f"pgrep found {found.stdout!r}"
+    assert code == 0 and "rank 0 answered SIGUSR1" in out and "rank 1 answered SIGUSR1" in out, out + err
