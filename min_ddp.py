@@ -63,8 +63,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                             state=metrics, check_every=args.check_every)
     except ValueError as e:
         raise SettingsError(str(e)) from None
-    if metrics["world"] != world:  # resumed at another world size: per-rank sums cannot be split
-        metrics.update(unlogged=zeros, world=world)
+    if metrics["world"] != world:  # resumed at another world size: per-rank sums cannot be split; the Checkpointer
+        metrics.update(unlogged=metrics["unlogged"].zero_(), world=world)  # restored rank 0's into this very tensor
     ddp_model, allreduce = wrap(model, device, args.timeout)
     backend = torch.distributed.get_backend() if world > 1 else "none"
     distributed.print_primary(f"mode={distributed.launch_mode()} world={world} backend={backend} allreduce={allreduce} "

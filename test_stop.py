@@ -48,12 +48,12 @@ def driver_command(tmp_path: Path, *flags: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[dict, str]:
-    """The reference: the same run, never stopped (its final model, and its last line less the speed)."""
+def uninterrupted(tmp_path_factory) -> tuple[dict, str, str]:
+    """The reference: the same run, never stopped (its final model, its last line less the speed, its output)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     out = run(tmp, *FLAGS, "--save-model", str(tmp / "model.pt"))
     assert out.returncode == 0, out.stderr
-    return distributed.load_checkpoint(tmp / "model.pt"), done_line(out.stdout)
+    return distributed.load_checkpoint(tmp / "model.pt"), done_line(out.stdout), out.stdout
 
 
 def done_line(stdout: str) -> str:
@@ -80,7 +80,7 @@ def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterr
     """Every rank stops after the same step whichever rank got the signal, saves, and exits with 128 +
     the signal's number; running the same command again finishes the run exactly as if never stopped,
     to the same final metrics."""
-    model, done = uninterrupted
+    model, done, _ = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt"),
              *EXTRA.get(scenario, [])]
     for stop_at, where in SCENARIOS[scenario]:
@@ -116,8 +116,11 @@ def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterr
                                                                                  tmp_path, world, batch):
     """Stopped at world 2 after step 7 (global batch 128), resumed at world 1 x 128 or 4 x 32: the same
     samples in every remaining step, so the final model equals the uninterrupted world-2 run's up to the
-    order of the gradient sums (float64: rtol 1e-9; a skipped or repeated step moves it by >= 1e-3)."""
-    model, _ = uninterrupted
+    order of the gradient sums (float64: rtol 1e-9; a skipped or repeated step moves it by >= 1e-3). At another
+    world size the ranks' unlogged sums (steps 6 and 7) cannot be split, so every rank's start at zero: the first
+    metrics line covers steps 8-10, 3 x 128 samples. Before, every rank kept rank 0's (the Checkpointer restores
+    state in place, into the tensor min_ddp then "reset" with), and the line counted them world-size times."""
+    model, _, _ = uninterrupted
     shutil.copy(stopped_at_step_7, tmp_path / "snap.pt")
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
     flags[1], flags[flags.index("--batch-size") + 1] = str(world), batch
@@ -125,6 +128,8 @@ def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterr
     assert out.returncode == 0, out.stderr
     assert f"resumed from {tmp_path / 'snap.pt'} in epoch 1 after step 7 (saved at world size 2)" in out.stdout
     assert f"done: world={world} epochs=2" in out.stdout
+    first = next(line for line in out.stdout.splitlines() if line.startswith("[global]"))
+    assert first.startswith("[global] epoch 1 step 10/16 ") and first.endswith("/384)"), first
     resumed = distributed.load_checkpoint(tmp_path / "model.pt")
     for key, value in model.items():
         torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-9)
@@ -197,7 +202,7 @@ def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path
 def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, tmp_path):
     """`kill -TERM <launcher>`: the workers get it, stop at a step and save; then the launcher dies of
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""
-    model, done = uninterrupted
+    model, done, _ = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
     code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
                                          "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
@@ -262,7 +267,7 @@ def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterru
                                                                                                    tmp_path):
     """SIGTERM reaches the workers through torchrun's agent as is. USR1 (SLURM's early warning) only with the
     README's --signals-to-handle: by default the agent dies of it and its workers with it, nothing saved."""
-    model, done = uninterrupted
+    model, done, _ = uninterrupted
     snap = tmp_path / "snap.pt"
     flags = [*FLAGS[2:], "--snapshot", str(snap), "--save-model", str(tmp_path / "model.pt")]
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2"]
@@ -338,7 +343,7 @@ def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, unin
     Checkpointer installed its handlers (a few seconds in; with --time=1 it came at once and killed the
     job); every rank saves, the primary requeues the job, and the rerun resumes and finishes with the
     uninterrupted run's model."""
-    model, done = uninterrupted
+    model, done, _ = uninterrupted
     info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3))  # 96 s of steps
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
@@ -351,7 +356,7 @@ def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, unin
 def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     """`scancel JOB` is SIGTERM to every task: they save and the job ends CANCELLED, never requeued
     (although it was submitted with --requeue); the same command resumes it bitwise."""
-    model, done = uninterrupted
+    model, done, _ = uninterrupted
     job = sbatch(tmp_path, slow_first_run=0.5)
     log, deadline = tmp_path / "slurm.out", time.monotonic() + 120
     while "[global] epoch 1 step 2/16" not in (log.read_text() if log.exists() else ""):
