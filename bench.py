@@ -6,6 +6,7 @@
     python bench.py --save          # only a Checkpointer save with 64 MB of state per rank, world 2
     python bench.py --start         # only a good start by hand (env://): init_process_group, ours against torch's
     python bench.py --world3        # only world 3: what bitwise resume costs (shared memory, gloo, find_unused)
+    python bench.py --items         # only seeded_dataset's cost per item read, in the process and in a loader worker
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -295,6 +296,56 @@ def world3(steps: int, runs: int) -> str:
             f"(runs: {min(unused):.3f}-{max(unused):.3f})")
 
 
+class SmallItem(torch.utils.data.Dataset):
+    """An item that costs about 20 us to read, drawing from torch's generator as an augmentation would."""
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (torch.rand(64) * 2 + index).sum()
+
+
+class ItemTimer(torch.utils.data.Dataset):
+    """Item 0 times READS reads of the plain and the seeded item where it is read (a loader worker): us per read."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, _: int) -> list[list[float]]:
+        return time_items(5)
+
+
+READS = 20000
+
+
+def time_items(runs: int) -> list[list[float]]:
+    """[plain, seeded] microseconds per read, `runs` times, alternating, in this process."""
+    plain, seeded, found = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1), []
+    for _ in range(runs):
+        pair = []
+        for data in (plain, seeded):
+            start = time.perf_counter()
+            for i in range(READS):
+                data[i]
+            pair.append((time.perf_counter() - start) / READS * 1e6)
+        found.append(pair)
+    return found
+
+
+def items() -> str:
+    torch.set_num_threads(1)  # as a loader worker has
+    here = time_items(5)
+    worker = next(iter(DataLoader(ItemTimer(), batch_size=None, num_workers=1)))
+    lines = [f"seeded_dataset, {READS} reads of a {statistics.median(p for p, _ in here):.1f}-us item (numpy "
+             f"{'imported' if 'numpy' in sys.modules else 'absent'}), added per read, median of 5 (runs):"]
+    for where, pairs, target in (("main process", here, 25), ("loader worker", worker, 10)):
+        added = sorted(s - p for p, s in pairs)
+        lines.append(f"  {where}: {statistics.median(added):.1f} us ({added[0]:.1f}-{added[-1]:.1f}; target <= "
+                     f"{target})")
+    return "\n".join(lines)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -367,6 +418,7 @@ def main() -> None:
     p.add_argument("--save", action="store_true", help="only a Checkpointer save, 64 MB of state per rank")
     p.add_argument("--start", action="store_true", help="only a good start by hand: ours against torch's env://")
     p.add_argument("--world3", action="store_true", help="only world 3: what bitwise resume costs")
+    p.add_argument("--items", action="store_true", help="only seeded_dataset's cost per item read")
     p.add_argument("--start-rank", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
@@ -387,6 +439,8 @@ def main() -> None:
         return None
     if args.world3:
         return print(world3(args.steps, args.runs))
+    if args.items:
+        return print(items())
     if args.save:
         found = run_launched(save_worker, 2, 2 * args.runs + 1)
         seconds = found["seconds"][1:]  # the first save also pays its first-time costs

@@ -564,23 +564,11 @@ def _suspects(model: nn.Module) -> list[str]:
 def _data_suspects(make_data: Callable[[], Any]) -> list[str]:
     """Per-rank data randomness: an item that differs when read twice (a random augmentation drawing from
     torch's global generator) differs between the ranks and one process, however right the model is."""
-    data = make_data()
-    if _same(data[0], data[0]):
-        return []
-    return ["the data's items change from one read to the next (random augmentation from the global generator): "
-            "each rank, and one process, draws its own, so the batches differ. Wrap the dataset with "
-            "distributed.seeded_dataset(data, seed) in make_data: each sample's randomness then depends only on "
-            "(seed, epoch, index)"]
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b
+    try:
+        distributed.check_repeatable(make_data())
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _first_few(names: list[str], shown: int = 3) -> str:

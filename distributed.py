@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 __all__ = [
     "launch", "launch_mode", "WorkerFailed", "start_workers",
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
-    "data_sampler", "seeded_dataset",
+    "data_sampler", "seeded_dataset", "check_repeatable",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
     "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap",
     "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked", "report_progress",
@@ -252,6 +252,7 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
     repeats so every rank runs the same number of steps. pad=False (exact evaluation): every sample
     exactly once across the ranks, which may differ by one sample (or get none when N < world).
     """
+    _refuse_iterable(dataset, "data_sampler")
     if not distributed:
         return None
     world, rank, size = get_world_size(), get_rank(), len(dataset)
@@ -265,13 +266,44 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
 
 
 def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
-    """``dataset`` whose every item is read with torch's and Python's generators seeded from (``seed``, the epoch,
-    the index), the caller's left as they were: the same sample gets the same random augmentation (torchvision's
-    draw from torch's generator) on any rank, in any loader worker, before or after a resume, at any world size;
-    a new one each epoch. Wrap it before data_sampler, whose ``set_epoch`` passes the epoch on."""
+    """``dataset`` whose every item is read with torch's CPU generator, Python's and (where the process has
+    imported it) numpy's global one seeded from (``seed``, the epoch, the index): the same sample gets the same
+    random augmentation on any rank, in any loader worker, before or after a resume, at any world size; a new one
+    each epoch. In the main process the caller's generators are left as they were (CUDA's are never touched); a
+    loader worker's are its own. Wrap it before data_sampler, whose ``set_epoch`` passes the epoch on.
+
+    A generator the dataset owns (albumentations >= 1.4.21 and MONAI keep an np.random.Generator) is out of
+    reach: seed it per item from the item's seed, ``torch.initial_seed()`` inside ``__getitem__``::
+
+        def __getitem__(self, i):
+            rng = np.random.default_rng(torch.initial_seed())   # this item's own draws
+            return self.crop(self.images[i], rng)
+
+    ``check_repeatable(data)`` names a dataset that still draws from elsewhere."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
+    _refuse_iterable(dataset, "seeded_dataset")
     return _SeededDataset(dataset, seed)
+
+
+def check_repeatable(dataset: Dataset, indices: Iterable[int] = (0,)) -> None:
+    """Raise ValueError naming the first of ``indices`` whose item differs between two reads (in one epoch): its
+    randomness is not a function of the sample, so the ranks, one process and a resumed run each draw their own.
+    For a dataset of seeded_dataset's, that names a generator it does not reseed."""
+    for index in indices:
+        if not _same_item(dataset[index], dataset[index]):
+            break
+    else:
+        return
+    if isinstance(dataset, _SeededDataset):
+        raise ValueError(f"item {index} differs between two reads: your dataset draws from a generator seeded_dataset "
+                         "does not reseed (one it owns: an np.random.Generator, random.Random or torch.Generator, as "
+                         "albumentations >= 1.4.21 and MONAI keep). Seed it per item inside __getitem__ from "
+                         "torch.initial_seed(), the item's seed (seeded_dataset's docstring shows how)")
+    raise ValueError(f"item {index} differs between two reads: the data's items change from one read to the next "
+                     "(random augmentation from a global generator), so each rank, one process and a resumed run "
+                     "draw their own. Wrap the dataset with distributed.seeded_dataset(data, seed): each sample's "
+                     "randomness then depends only on (seed, epoch, index)")
 
 
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
@@ -951,19 +983,55 @@ class _SeededDataset(Dataset):
         # blake2b: a seed of 63 bits from the three numbers, the same in every process (unlike hash()).
         key = f"{self.seed}/{int(self._epoch)}/{index}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-        python_state = random.getstate()
-        with torch.random.fork_rng(devices=[]):  # the caller's CPU generator comes back afterwards
-            torch.manual_seed(seed)
+        numpy = sys.modules.get("numpy")  # seeded where the process has it, never imported: numpy stays optional
+        cpu = torch.default_generator  # not torch.manual_seed, which reseeds every CUDA device too (100 us)
+        if torch.utils.data.get_worker_info() is not None:  # a loader worker's generators are its own
+            cpu.manual_seed(seed)
             random.seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.seed(seed & 0xFFFFFFFF)
+            return self.dataset[index]
+        saved = cpu.get_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
+        cpu.manual_seed(seed)
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed & 0xFFFFFFFF)
+        try:
+            return self.dataset[index]
+        finally:  # the training loop's draws (dropout) go on as if no item had been read
+            cpu.set_state(saved[0])
+            random.setstate(saved[1])
+            if numpy is not None:
+                numpy.random.set_state(saved[2])
 
     def __getattr__(self, name: str) -> Any:
         if name in ("dataset", "seed", "_epoch") or name.startswith("__"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def _refuse_iterable(dataset: Dataset, where: str) -> None:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise TypeError(f"{where}: got an IterableDataset ({type(dataset).__name__}), which has no indices to shard "
+                        "or seed. Shard the stream in its __iter__: keep every n-th item, n = get_world_size() x the "
+                        "loader's workers, from offset get_rank() x workers + the worker's id (torch.utils.data."
+                        "get_worker_info()); and make every rank run the same number of steps, or the ranks that run "
+                        "out first leave the others waiting in an all-reduce")
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    """Whether two reads of an item are equal: tensors and arrays element by element, containers item by item."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same_item, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_item(a[key], b[key]) for key in a)
+    try:
+        equal = a == b
+        return bool(equal.all()) if hasattr(equal, "all") else bool(equal)  # numpy arrays, without numpy
+    except Exception:
+        return False
 
 
 # ------------------------------ Collectives --------------------------------------------------

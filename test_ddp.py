@@ -495,6 +495,71 @@ def test_seeded_dataset_draws_per_index_alike_in_any_worker_and_resume():
     assert torch.equal(resumed[0], draws[3][0]) and resumed[1] == draws[3][1]
 
 
+class OwnsAGenerator(torch.utils.data.Dataset):
+    """A dataset that draws from a generator of its own, as albumentations >= 1.4.21 and MONAI do; per_sample=True
+    seeds it per item from torch.initial_seed(), as seeded_dataset's docstring shows."""
+
+    def __init__(self, per_sample: bool):
+        self.gen, self.per_sample = torch.Generator().manual_seed(0), per_sample
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.per_sample:
+            self.gen.manual_seed(torch.initial_seed())  # the item's seed, under seeded_dataset
+        return torch.rand(2, generator=self.gen) + index
+
+
+def test_a_generator_the_dataset_owns_is_named_and_reached_per_sample():
+    """seeded_dataset cannot reseed a generator the dataset owns: check_repeatable names that (and a plain
+    dataset's global draws, with the wrapper as the fix); seeded from torch.initial_seed() per item, it repeats."""
+    with pytest.raises(ValueError, match=r"item 0 differs between two reads: your dataset draws from a generator "
+                                         r"seeded_dataset does not reseed .*torch.initial_seed\(\)"):
+        distributed.check_repeatable(distributed.seeded_dataset(OwnsAGenerator(per_sample=False)))
+    with pytest.raises(ValueError, match=r"item 3 differs between two reads: the data's items change .*Wrap the "
+                                         r"dataset with distributed.seeded_dataset"):
+        distributed.check_repeatable(RandomCrops(), indices=[3])
+    data = distributed.seeded_dataset(OwnsAGenerator(per_sample=True), seed=5)
+    distributed.check_repeatable(data, indices=range(8))
+    assert not torch.equal(data[1] - 1, data[2] - 2)
+
+
+def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
+    """A dataset augmenting with numpy's global generator (older albumentations, imgaug, many users' own): each item
+    reads the same twice, in a loader worker as in the process, and the caller's numpy stream goes on untouched."""
+    np = pytest.importorskip("numpy")
+
+    class NumpyNoise(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.tensor(np.random.rand(3)) + index
+
+    data = distributed.seeded_dataset(NumpyNoise(), seed=2)
+    np.random.seed(11)
+    expected = np.random.rand(2)
+    np.random.seed(11)
+    first = data[1]
+    caller = np.random.rand(2)
+    assert (caller == expected).all(), "the caller's numpy stream moved"
+    assert torch.equal(first, data[1]) and not torch.equal(data[1] - 1, data[2] - 2)
+    loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[1, 1], num_workers=2)
+    assert all(torch.equal(batch[0], first) for batch in loader)
+
+
+@pytest.mark.parametrize("call", ["data_sampler", "seeded_dataset"])
+def test_an_iterable_dataset_is_refused_naming_how_to_shard_it(call):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    with pytest.raises(TypeError, match=rf"{call}: got an IterableDataset \(Stream\).*get_world_size\(\).*"
+                                        r"get_rank\(\).*get_worker_info\(\).*same number of steps"):
+        distributed.data_sampler(Stream(), True, True) if call == "data_sampler" else distributed.seeded_dataset(Stream())
+
+
 def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
     sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
     with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):

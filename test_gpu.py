@@ -184,3 +184,20 @@ def test_ddp_check_passes_on_a_gpu_machine():
     """Its pools are gloo CPU processes that see no GPU: no nccl, no two ranks on one device."""
     from ddp_check import assert_ddp_equivalent
     assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,))
+
+
+def test_seeded_dataset_leaves_the_training_loops_cuda_generator_alone():
+    """With num_workers=0 every item is read in the training process: seeding it per item must not reseed the
+    CUDA generator (dropout on the GPU), as torch.manual_seed would (it seeds every CUDA device)."""
+    class Noise(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.rand(2) + index
+
+    torch.cuda.manual_seed(5)
+    before = torch.cuda.get_rng_state()
+    data = distributed.seeded_dataset(Noise(), seed=1)
+    [data[i] for i in range(4)]
+    assert torch.equal(torch.cuda.get_rng_state(), before), "reading items moved the CUDA generator"

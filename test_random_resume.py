@@ -65,6 +65,18 @@ def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
     assert_bitwise_equal(model, expected_model, "final model")
 
 
+def test_numpy_and_an_owned_generator_in_workers_resume_bitwise(tmp_path):
+    """Augmentation from numpy's global generator and from a generator the dataset owns (seeded per item from
+    torch.initial_seed(), as seeded_dataset's docstring shows), in 2 loader workers, stopped mid-epoch at world 2:
+    every step trains on the uninterrupted run's samples and the weights are bitwise its. Before, numpy was not
+    seeded: 2 of 2 runs differed."""
+    pytest.importorskip("numpy")
+    steps, model = stop_and_resume(tmp_path, ["--augment", "numpy-and-owned", "--workers", "2"])
+    expected_steps, expected_model = trained(tmp_path, "straight.pt")
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    assert_bitwise_equal(model, expected_model, "final model")
+
+
 # 3 micro-batches of 8 per step at world 2 (global batch 48): 16 batches a rank an epoch, so 5 steps and a
 # short last one of 1 micro-batch; the stop signal comes during step 3's group, the stop after it.
 SEEDED = ["--augment", "seeded", "--workers", "2", "--accum", "3"]

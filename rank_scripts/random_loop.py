@@ -1,11 +1,12 @@
 """A loop with real training's randomness, on a Checkpointer (test_stop.py):
 
-    python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded] [--workers K]
-                          [--persistent] [--accum K] [--stop-mid-group] [--ddp plain|find-unused|shared-memory]
+    python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded|numpy-and-owned]
+                          [--workers K]                          [--persistent] [--accum K] [--stop-mid-group] [--ddp plain|find-unused|shared-memory]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
-(--workers 0) or in DataLoader workers; --augment seeded wraps the dataset with distributed.seeded_dataset. The
+(--workers 0) or in DataLoader workers; --augment seeded wraps the dataset with distributed.seeded_dataset, and
+numpy-and-owned draws from numpy's global generator and one the dataset owns (seeded per item), wrapped too. The
 model may have dropout (on the GPU where one is visible). Rank 1 (alone: rank 0) signals itself (SIGUSR1) after
 the STOP-th optimizer step of this run (0: never).
 OUT gets the final weights and, per global step, what that step trained on: every rank's (index, input) rows,
@@ -46,6 +47,23 @@ class Augmented(Dataset):
         return index, x, self.y[index]
 
 
+class NumpyAndOwned(Augmented):
+    """Noise from numpy's global generator (older albumentations, imgaug) and a sign flip from a generator of the
+    dataset's own (newer albumentations, MONAI), seeded per item from the item's seed, torch.initial_seed()."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator()
+
+    def __getitem__(self, index: int):
+        import numpy as np
+        self.gen.manual_seed(torch.initial_seed())
+        x = self.x[index] + 0.1 * torch.from_numpy(np.random.randn(FEATURES))
+        if torch.rand((), generator=self.gen) < 0.5:
+            x = -x
+        return index, x, self.y[index]
+
+
 def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = distributed.init_process_group(local_rank, world_size)  # a GPU where test_gpu.py runs it
     if device.type == "cuda":
@@ -55,6 +73,8 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
                                 torch.nn.Linear(16, 1)).double().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = Augmented() if args.augment == "global" else distributed.seeded_dataset(Augmented(), seed=3)
+    if args.augment == "numpy-and-owned":
+        data = distributed.seeded_dataset(NumpyAndOwned(), seed=3)
     sampler = distributed.data_sampler(data, True, shuffle=True, seed=1)
     loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.persistent)
@@ -111,7 +131,7 @@ def main() -> None:
     p.add_argument("batch", type=int)
     p.add_argument("stop", type=int)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--augment", choices=["global", "seeded"], default="global")
+    p.add_argument("--augment", choices=["global", "seeded", "numpy-and-owned"], default="global")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--accum", type=int, default=1)
