@@ -544,7 +544,8 @@ def _suspects(model: nn.Module) -> list[str]:
     batchnorms, dropouts = [], []
     for name, module in model.named_modules():
         where = f"`{name or '(the model)'}` ({type(module).__name__}"
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "synchronized", False)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
             batchnorms.append(where + ")")
         p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
             module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0
@@ -553,8 +554,8 @@ def _suspects(model: nn.Module) -> list[str]:
     found = []
     if batchnorms:
         found.append(f"BatchNorm in {_first_few(batchnorms)} normalizes each rank's batch with that rank's "
-                     "own statistics: use SyncBatchNorm on GPUs (nn.SyncBatchNorm.convert_sync_batchnorm), "
-                     "or GroupNorm/LayerNorm, which need no batch statistics")
+                     "own statistics: convert the model with distributed.sync_batchnorm(model) before DDP (torch's "
+                     "SyncBatchNorm on GPUs, an exact version on CPU processes), or use GroupNorm/LayerNorm")
     if dropouts:
         found.append(f"Dropout in {_first_few(dropouts)}: random masks cannot match one process's; pass "
                      "disable_dropout=True to check the rest of the model (dropout itself is then unchecked)")

@@ -89,7 +89,7 @@ __all__ = [
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
     "data_sampler", "seeded_dataset", "check_repeatable",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
-    "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap",
+    "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap", "sync_batchnorm",
     "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked", "report_progress",
 ]
 
@@ -443,6 +443,36 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every BatchNorm layer (any depth) normalizing with the global batch's statistics, so that
+    N processes train as one process on the global batch; call it before DDP(model), on every rank.
+
+    Where CUDA is available (or the layer is on a GPU), torch's own SyncBatchNorm. On CPU processes, an exact
+    version: the statistics are the whole batch's, weighted by each rank's sample count (a rank may hold none),
+    the backward goes through the collectives, and the running mean and unbiased variance (momentum=None: the
+    cumulative average) update as one process's would. Weights, buffers and the training flag are kept. The group
+    is looked up when a layer runs: convert before or after init_process_group; in a world of one, and in eval,
+    a layer is exactly BatchNorm. A model without BatchNorm comes back unchanged."""
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("sync_batchnorm: the model is already wrapped in DistributedDataParallel, whose buckets "
+                        "hold the old layers; convert first, then wrap: DDP(distributed.sync_batchnorm(model))")
+    if not isinstance(model, torch.nn.modules.batchnorm._BatchNorm) or isinstance(model, torch.nn.SyncBatchNorm):
+        for name, child in model.named_children():
+            converted = sync_batchnorm(child)
+            if converted is not child:
+                setattr(model, name, converted)
+        return model
+    on_gpu = any(t is not None and t.is_cuda for t in (model.weight, model.running_mean))
+    kind = torch.nn.SyncBatchNorm if on_gpu or torch.cuda.is_available() else _SyncBatchNormCPU
+    layer = kind(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
+    if model.affine:
+        layer.weight, layer.bias = model.weight, model.bias  # the same Parameters: an optimizer holding them stays
+    layer.running_mean, layer.running_var = model.running_mean, model.running_var
+    layer.num_batches_tracked = model.num_batches_tracked
+    layer.train(model.training)
+    return layer
 
 
 # ------------------------------ Stops: the launcher's side ----------------------------------
@@ -1032,6 +1062,48 @@ def _same_item(a: Any, b: Any) -> bool:
         return bool(equal.all()) if hasattr(equal, "all") else bool(equal)  # numpy arrays, without numpy
     except Exception:
         return False
+
+
+class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
+    """sync_batchnorm's layer for CPU processes (torch's SyncBatchNorm refuses CPU input): in training, the global
+    batch's mean, then its variance (two passes, as exact as one process's), each a sum all-reduced through
+    torch.distributed.nn's differentiable all_reduce, whose backward sums the gradients over the ranks."""
+
+    synchronized = True  # what ddp_check reads: this layer's statistics are the global batch's
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (batch, channels, ...), got {input.dim()}D input")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        batch_stats = self.training or self.running_mean is None
+        if not batch_stats or get_world_size() == 1:
+            return super().forward(input)  # exactly BatchNorm
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # the cumulative average, as BatchNorm's
+                factor = 1.0 / float(self.num_batches_tracked)
+        channels, dims = input.shape[1], [0, *range(2, input.dim())]
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        local = torch.cat([input.sum(dims), input.new_full((1,), input.numel() // max(channels, 1))])
+        total = torch.distributed.nn.functional.all_reduce(local)
+        count = int(total[-1].detach())
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.shape} "
+                             f"on this rank and {count} value(s) per channel in the global batch")
+        mean = total[:-1] / count
+        centered = input - mean.reshape(shape)
+        var = torch.distributed.nn.functional.all_reduce(centered.square().sum(dims)) / count
+        out = centered * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.affine:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+                self.running_var.mul_(1 - factor).add_(var.detach() * (count / (count - 1)) * factor)
+        return out
 
 
 # ------------------------------ Collectives --------------------------------------------------

@@ -13,6 +13,7 @@ Tolerances (float64 throughout the training properties):
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
 import os
@@ -22,9 +23,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 import distributed
@@ -558,6 +561,55 @@ def test_an_iterable_dataset_is_refused_naming_how_to_shard_it(call):
     with pytest.raises(TypeError, match=rf"{call}: got an IterableDataset \(Stream\).*get_world_size\(\).*"
                                         r"get_rank\(\).*get_worker_info\(\).*same number of steps"):
         distributed.data_sampler(Stream(), True, True) if call == "data_sampler" else distributed.seeded_dataset(Stream())
+
+
+def test_sync_batchnorm_converts_in_place_keeping_weights_buffers_and_mode():
+    """Every BatchNorm at any depth converted, its Parameters the same objects (an optimizer holding them keeps
+    working), its buffers and eval/train flag kept; in a world of one it computes exactly what BatchNorm does;
+    a model without BatchNorm comes back unchanged."""
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()), nn.BatchNorm1d(4))
+    plain[1][0].running_mean.fill_(0.5)
+    plain[2].eval()
+    weight, reference = plain[1][0].weight, copy.deepcopy(plain)
+    model = distributed.sync_batchnorm(plain)
+    assert model is plain and model[1][0].weight is weight and torch.equal(model[1][0].running_mean, 0.5 * torch.ones(4))
+    assert getattr(model[1][0], "synchronized", False) and not model[2].training and model[1][0].training
+    x = torch.randn(6, 3)
+    assert torch.equal(model(x), reference(x))
+    assert torch.equal(model[1][0].running_var, reference[1][0].running_var)
+    no_batchnorm = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    children = list(no_batchnorm.children())
+    assert distributed.sync_batchnorm(no_batchnorm) is no_batchnorm and list(no_batchnorm.children()) == children
+
+
+def task_sync_batchnorm_edges(spec: dict) -> dict:
+    rank, out = distributed.get_rank(), {}
+    try:
+        distributed.sync_batchnorm(DDP(nn.Linear(2, 2)))
+    except TypeError as e:
+        out["ddp"] = str(e)
+    x = torch.arange(3, dtype=torch.float64).reshape(1, 3) + rank  # one sample per rank
+    out["one each"] = distributed.sync_batchnorm(nn.BatchNorm1d(3).double())(x).detach()
+    alone = distributed.sync_batchnorm(nn.BatchNorm1d(3).double())
+    try:
+        alone(x if rank == 0 else x[:0])  # rank 1 holds no sample: the global batch is one sample
+        out["alone"] = "no error"
+    except ValueError as e:
+        out["alone"] = str(e)
+    return out
+
+
+def test_sync_batchnorm_edges_on_two_ranks(pools):
+    """One sample per rank trains (the global batch has two: plain BatchNorm would refuse each rank's one) and
+    equals BatchNorm on the two; a global batch of one value per channel is BatchNorm's error with the global
+    count; a model already in DDP is refused, naming the order."""
+    results = pools.run(2, task_sync_batchnorm_edges, {})
+    both = nn.BatchNorm1d(3).double()(torch.arange(3, dtype=torch.float64).reshape(1, 3) + torch.tensor([[0.], [1.]]))
+    for rank, found in enumerate(results):
+        assert "convert first, then wrap: DDP(distributed.sync_batchnorm(model))" in found["ddp"]
+        torch.testing.assert_close(found["one each"], both[rank:rank + 1], rtol=1e-12, atol=1e-12)
+        assert "Expected more than 1 value per channel when training" in found["alone"], found["alone"]
+        assert "1 value(s) per channel in the global batch" in found["alone"]
 
 
 def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():

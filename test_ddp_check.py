@@ -277,8 +277,34 @@ def failure(*args, **kwargs) -> str:
 def test_batchnorm_is_named_with_its_module_and_type():
     message = failure(batchnorm_mlp, vectors, cross_entropy, world_sizes=(2,))
     assert "world size 2, step 1, the gradient of `" in message
-    assert "BatchNorm in `1` (BatchNorm1d) normalizes" in message and "SyncBatchNorm" in message
+    assert "BatchNorm in `1` (BatchNorm1d) normalizes" in message and "distributed.sync_batchnorm(model)" in message
     assert "GroupNorm/LayerNorm" in message
+
+
+def synced_batchnorm_mlp() -> nn.Module:
+    """BatchNorm1d, affine, tracking running statistics (momentum 0.1)."""
+    return distributed.sync_batchnorm(batchnorm_mlp())
+
+
+def synced_batchnorm_conv() -> nn.Module:
+    """BatchNorm2d without affine parameters, its running statistics a cumulative average (momentum=None)."""
+    return distributed.sync_batchnorm(nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False, momentum=None), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3)))
+
+
+def images() -> TensorDataset:
+    gen = torch.Generator().manual_seed(4)
+    return TensorDataset(torch.randn(64, 1, 4, 4, generator=gen), torch.randint(3, (64,), generator=gen))
+
+
+@pytest.mark.parametrize("make_model, make_data", [(synced_batchnorm_mlp, vectors), (synced_batchnorm_conv, images)],
+                         ids=["BatchNorm1d-affine", "BatchNorm2d-momentum-None"])
+def test_sync_batchnorm_trains_as_one_process_at_worlds_2_and_3(make_model, make_data):
+    """sync_batchnorm on CPU processes: every step's gradients, parameters and buffers (the running mean, the
+    unbiased running variance, the batch count) at worlds 2 and 3 equal one process's on the global batch
+    (float64, rtol 1e-9), where the same model unconverted fails naming BatchNorm (the test above)."""
+    assert_ddp_equivalent(make_model, make_data, cross_entropy, world_sizes=(2, 3))
 
 
 def test_dropout_is_named_with_its_probability_and_the_keyword():
