@@ -1066,8 +1066,8 @@ def _same_item(a: Any, b: Any) -> bool:
 
 class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
     """sync_batchnorm's layer for CPU processes (torch's SyncBatchNorm refuses CPU input): in training, the global
-    batch's mean, then its variance (two passes, as exact as one process's), each a sum all-reduced through
-    torch.distributed.nn's differentiable all_reduce, whose backward sums the gradients over the ranks."""
+    batch's mean, then its variance (two passes, as exact as one process's), each a sum all-reduced by
+    _AllReduceSum, whose backward sums the gradients over the ranks."""
 
     synchronized = True  # what ddp_check reads: this layer's statistics are the global batch's
 
@@ -1088,14 +1088,14 @@ class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
         channels, dims = input.shape[1], [0, *range(2, input.dim())]
         shape = [1, channels] + [1] * (input.dim() - 2)
         local = torch.cat([input.sum(dims), input.new_full((1,), input.numel() // max(channels, 1))])
-        total = torch.distributed.nn.functional.all_reduce(local)
+        total = _AllReduceSum.apply(local)
         count = int(total[-1].detach())
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.shape} "
                              f"on this rank and {count} value(s) per channel in the global batch")
         mean = total[:-1] / count
         centered = input - mean.reshape(shape)
-        var = torch.distributed.nn.functional.all_reduce(centered.square().sum(dims)) / count
+        var = _AllReduceSum.apply(centered.square().sum(dims)) / count
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.affine:
             out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
@@ -1104,6 +1104,23 @@ class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
                 self.running_var.mul_(1 - factor).add_(var.detach() * (count / (count - 1)) * factor)
         return out
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the ranks that gradients flow through: every rank's loss depends on the sum, so each rank's input
+    gets the sum of the ranks' gradients (torch.distributed.nn's all_reduce does this, deprecated in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total)
+        return total
 
 
 # ------------------------------ Collectives --------------------------------------------------

@@ -43,8 +43,9 @@ def main_worker(local_rank: int, world_size: int, args: argparse.Namespace) -> N
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    layers = [nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)]
-    model = nn.Sequential(*layers).to(device)
+    layers = [nn.Linear(FEATURES, 256, bias=False), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(256, CLASSES)).to(device)
+    model = distributed.sync_batchnorm(model) if args.sync_bn else model  # BatchNorm on the global batch
     world = distributed.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     train_set, val_set = make_dataset("train", args.train_size), make_dataset("val", VAL_SIZE)
@@ -156,9 +157,8 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]
     model.eval()
     device = next(model.parameters()).device
     stats = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y in loader:
-        logits = model(x.to(device))
-        y = y.to(device)  # per-sample losses summed in float64: the same total however samples are batched
+    for x, y in loader:  # per-sample losses summed in float64: the same total however samples are batched
+        logits, y = model(x.to(device)), y.to(device)
         stats += torch.stack([F.cross_entropy(logits, y, reduction="none").double().sum(),
                               (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
     loss_sum, correct, count = distributed.reduce(stats).tolist()  # sums and counts, never means

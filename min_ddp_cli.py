@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     flag("--workers", int, 0, "DataLoader worker processes per rank")
     flag("--train-size", int, 16384, "samples of synthetic training data")
     flag("--config", str, None, "settings from FILE.json, keyed by the flags' names; flags override")
+    p.add_argument("--no-sync-bn", dest="sync_bn", action="store_false",
+                   help="BatchNorm with each process's own batch statistics, not the global batch's")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
     args = p.parse_args(argv)
     if args.config:
@@ -40,7 +42,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         if not isinstance(settings, dict) or settings.keys() - vars(args).keys():
             p.error(f"--config {args.config}: expected a JSON object whose keys are among: {', '.join(vars(args))}")
         # Text defaults go through each flag's type: a bad value in the file is an error naming its flag.
-        p.set_defaults(**{key: None if value is None else str(value) for key, value in settings.items()})
+        p.set_defaults(**{key: value if value is None or isinstance(value, bool) else str(value)
+                          for key, value in settings.items()})
         args = p.parse_args(argv)  # the command line wins over the file
     for name, value in vars(args).items():
         if name in POSITIVE and value is not None and not (value >= 0 if name == "workers" else value > 0):

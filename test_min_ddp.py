@@ -62,8 +62,8 @@ def initial_model() -> nn.Module:
     """min_ddp's model, built after the same seed."""
     with float64():
         torch.manual_seed(SEED)
-        return nn.Sequential(nn.Linear(min_ddp.FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                             nn.Linear(256, min_ddp.CLASSES))
+        return nn.Sequential(nn.Linear(min_ddp.FEATURES, 256, bias=False), nn.BatchNorm1d(256), nn.ReLU(),
+                             nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, min_ddp.CLASSES))
 
 
 def reference(world: int, batch: int, accum: int, log_every: int, reshuffle: bool = True) -> tuple[nn.Module, list]:
@@ -81,20 +81,20 @@ def reference(world: int, batch: int, accum: int, log_every: int, reshuffle: boo
             sums = torch.zeros(world, 3, dtype=torch.float64)  # per rank: loss sum, correct, samples
             for i in range(batches):
                 group = [shard[i * batch:(i + 1) * batch] for shard in shards]
+                # One forward over every rank's micro-batch: synchronized BatchNorm normalizes over them all.
+                logits, idx = model(x[torch.cat(group)]), torch.cat(group)
+                size = min(accum, batches - i // accum * accum)  # micro-batches in this optimizer step
+                (F.cross_entropy(logits, y[idx]) / size).backward()
                 with torch.no_grad():
-                    for rank, idx in enumerate(group):
-                        logits = model(x[idx])
-                        sums[rank] += torch.tensor([F.cross_entropy(logits, y[idx]).item() * len(idx),
-                                                    (logits.argmax(1) == y[idx]).sum().item(), len(idx)])
+                    for rank, part in enumerate(logits.split([len(g) for g in group])):
+                        sums[rank] += torch.tensor([F.cross_entropy(part, y[group[rank]]).item() * len(part),
+                                                    (part.argmax(1) == y[group[rank]]).sum().item(), len(part)])
                 if (i + 1) % log_every == 0 or i + 1 == batches:
                     total = sums.sum(0)
                     lines.append((epoch + 1, i + 1, [(s[0] / s[2], s[1] / s[2]) for s in sums.tolist()],
                                   (total[0] / total[2], total[1] / total[2], total[1], total[2])))
                     sums.zero_()
-                if (i + 1) % accum == 0 or i + 1 == batches:  # one optimizer step over the group's batches
-                    first = i // accum * accum
-                    idx = torch.cat([shard[first * batch:(i + 1) * batch] for shard in shards])
-                    F.cross_entropy(model(x[idx]), y[idx]).backward()
+                if (i + 1) % accum == 0 or i + 1 == batches:  # the group's last micro-batch: a step
                     optimizer.step()
                     optimizer.zero_grad()
     return model, lines
@@ -111,6 +111,10 @@ def runs(tmp_path_factory) -> dict:
             tmp, "--nprocs", str(world), "--epochs", str(EPOCHS), "--batch-size", str(batch), "--grad-accum",
             str(accum), "--log-every", str(log_every), "--seed", str(SEED), "--lr", str(LR), "--save-model",
             str(tmp / "model.pt"), FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
+    tmp = tmp_path_factory.mktemp("no-sync-bn")
+    started["no sync bn"] = tmp, start_min_ddp(
+        tmp, "--nprocs", "2", "--epochs", str(EPOCHS), "--batch-size", "64", "--log-every", "5", "--seed", str(SEED),
+        "--lr", str(LR), "--save-model", str(tmp / "model.pt"), "--no-sync-bn", FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
     results = at_once([proc for _, proc in started.values()], timeout=300)
     out = {}
     for (key, (tmp, _)), done in zip(started.items(), results):
@@ -161,11 +165,22 @@ def test_min_ddp_prints_the_validation_of_a_one_process_evaluation_exactly(runs,
     assert line, printed
     model = initial_model()
     model.load_state_dict(state)
+    model.eval()
     x, y = dataset_tensors("val")
     with one_thread(), torch.no_grad():
         logits = model(x)
     loss, correct = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).sum().item()
     assert line.groups() == (f"{loss:.4f}", f"{correct / len(y):.4f}", str(correct), str(len(y)))
+
+
+@pytest.mark.slow
+def test_min_ddp_without_sync_bn_does_not_train_as_one_process(runs):
+    """The control for BatchNorm: with --no-sync-bn each rank normalizes its own 64 samples, and the model lands
+    far (> 1e-4) from the one-process loop on the global batch of 128, where the synchronized one is within 1e-9."""
+    state, _ = runs["no sync bn"]
+    expected, _ = reference(2, 64, 1, 5)
+    far = max((state[key] - value).abs().max().item() for key, value in expected.state_dict().items())
+    assert far > 1e-4, f"only {far:.1e} from the one-process loop: the control cannot tell"
 
 
 @pytest.mark.slow
