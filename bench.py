@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -101,7 +102,8 @@ def min_ddp_trainer(steps: int, allreduce: str) -> Callable[[], float]:
     if world > 1 and allreduce == "shared-memory":
         assert shared_memory_allreduce(ddp_model, 300)
     warm, timed = (DataLoader(data, batch_size=BATCH, sampler=dist.data_sampler(data, True, True))
-                   for data in (list(zip(*bench_data(BATCH * world * n).tensors)) for n in (WARMUP, steps)))
+                   for data in (list(zip(*bench_data(BATCH * world * n).tensors, strict=True))
+                                for n in (WARMUP, steps)))
     train_steps(ddp_model, warm, optimizer)
 
     def epoch() -> float:
@@ -286,7 +288,7 @@ def world3(steps: int, runs: int) -> str:
         passes.append((time.perf_counter() - start) * 10)  # ms per pass
     median = {kind: statistics.median(v) for kind, v in step_ms.items()}
     share = [statistics.median(passes) / ms for ms in step_ms["shared-memory"]]
-    unused = [u / g for u, g in zip(step_ms["gloo-find-unused"], step_ms["gloo"])]
+    unused = [u / g for u, g in zip(step_ms["gloo-find-unused"], step_ms["gloo"], strict=False)]
     return (f"world 3, ms per step (median of {runs}): shared memory {median['shared-memory']:.1f}, gloo "
             f"{median['gloo']:.1f}, gloo + find_unused_parameters {median['gloo-find-unused']:.1f}\n"
             f"the owner's own division, one pass over a third of the gradients: {statistics.median(passes):.3f} ms "
@@ -395,17 +397,18 @@ def table(runs: dict[str, list], n: int) -> str:
         row("the same, world 2, gloo's all-reduce", f"{med['gloo2']:.0f} samples/s",
             what=f"{statistics.median(r for _, _, r in runs['gloo2']):.3f}x its plain loop, turn by turn")
         row("raw DDP (tutorial as written), world 2", f"{med['raw2']:.0f} samples/s")
-        raw = [d[1] / max(a, b) for d, a, b in zip(runs["world2"], runs["raw2"], runs["raw2_1thread"])]
+        raw = [d[1] / max(a, b) for d, a, b in zip(runs["world2"], runs["raw2"], runs["raw2_1thread"], strict=False)]
         row("raw DDP, 1 thread/process, world 2", f"{med['raw2_1thread']:.0f} samples/s", raw,
             "the faster raw: min_ddp's loop", "ddp2_vs_raw")
         row("trivial 2-process job: launch()", f"{med['launch_s']:.2f} s",
-            [a / b for a, b in zip(runs["launch_s"], runs["torchrun_s"])], "torchrun", "launch_vs_torchrun")
+            [a / b for a, b in zip(runs["launch_s"], runs["torchrun_s"], strict=True)], "torchrun",
+            "launch_vs_torchrun")
         row("trivial 2-process job: torchrun", f"{med['torchrun_s']:.2f} s")
         row("fail-fast: raise -> launcher exit", f"{med['fail_fast_s']:.2f} s", runs["fail_fast_s"], "", "fail_fast_s")
     if "srun2" in runs:
         row("python min_ddp.py --nprocs 2", f"{med['spawn2']:.0f} samples/s", what="2 epochs, its own count")
         row("srun -n 2 python min_ddp.py (no -c)", f"{med['srun2']:.0f} samples/s",
-            [s / p for s, p in zip(runs["srun2"], runs["spawn2"])], "--nprocs 2", "srun_vs_spawn")
+            [s / p for s, p in zip(runs["srun2"], runs["spawn2"], strict=False)], "--nprocs 2", "srun_vs_spawn")
     return "\n".join(rows)
 
 

@@ -26,7 +26,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,8 @@ class Checkpointer:
         if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
             sampler = getattr(getattr(self.loader, "batch_sampler", None), "sampler", sampler)
         skippable = hasattr(sampler, "set_epoch") and "skip" in inspect.signature(sampler.set_epoch).parameters
-        for self.epoch in range(self.epoch, epochs):
+        for epoch in range(self.epoch, epochs):
+            self.epoch = epoch
             if skippable and self._per_step:  # distributed.data_sampler's
                 sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
             elif self.epoch_steps:  # else the rest of the epoch would silently start over
@@ -447,7 +449,7 @@ def _gather_to_primary(obj: Any) -> list[Any] | None:
         piece = piece.to(device)
         rows = [torch.empty_like(piece) for _ in lengths] if primary else None
         dist.gather(piece, rows, dst=0)
-        for out, row, n in zip(gathered, rows or [], lengths):
+        for out, row, n in zip(gathered, rows or [], lengths, strict=False):
             if n > start:
                 end = min(n, start + size)
                 torch.frombuffer(out, dtype=torch.uint8)[start:end].copy_(row[:end - start])
@@ -499,9 +501,9 @@ def _restored(current: Any, saved: Any) -> Any:
         for key, value in saved.items():
             current[key] = _restored(current.get(key), value)
     elif isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
-        current[:] = [_restored(now, value) for now, value in zip(current, saved)]
+        current[:] = [_restored(now, value) for now, value in zip(current, saved, strict=False)]
     elif isinstance(current, tuple) and isinstance(saved, (list, tuple)) and len(current) == len(saved):
-        return type(current)(_restored(now, value) for now, value in zip(current, saved))
+        return type(current)(_restored(now, value) for now, value in zip(current, saved, strict=False))
     else:
         return saved
     return current

@@ -36,7 +36,8 @@ import pickle
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -322,7 +323,7 @@ def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], data_
         return f"{head}\n" + "\n".join(_cause(c) for c in data_causes)
     tolerance = _MIXED_RTOL if spec["mixed_precision"] else None
     if not spec["mixed_precision"]:
-        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"]), 1):
+        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"], strict=False), 1):
             if any(not torch.equal(a[n], b[n]) for n in a):
                 return (f"{head}: at step {step}, one process trains differently at loss scale {_SCALE:g} than at "
                         "1 (in float64 a power-of-two scale is exact)\n" + _cause(
@@ -336,7 +337,7 @@ def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], data_
             why.append(_cause(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
                               f"micro-batch's loss by their number ({accum}) before backward"))
         return "\n".join([head, *why, *(_cause(c) for c in suspects)])
-    for step, (states, grads) in enumerate(zip(zip(*[r["states"] for r in ddp]), ddp[0]["grads"]), 1):
+    for step, states in enumerate(zip(*[r["states"] for r in ddp], strict=True), 1):
         for rank, other in enumerate(states[1:], 1):
             if any(not torch.equal(other[n], states[0][n]) for n in states[0]):
                 return (f"{head}: after step {step} rank {rank}'s parameters differ from rank 0's\n" +

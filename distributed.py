@@ -73,7 +73,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -1151,7 +1152,7 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     lengths = all_gather(len(data)).tolist()
     # From the buffer, not byte by byte (a large state saves fast); one byte more: frombuffer refuses an empty one.
     rows = all_gather(torch.frombuffer(bytearray(data.ljust(max(lengths) + 1, b"\0")), dtype=torch.uint8))
-    return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths)]
+    return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths, strict=False)]
 
 
 # ------------------------------ Checkpoints --------------------------------------------------
@@ -1308,7 +1309,7 @@ class _Workers:
     def _root_cause(self, first: int, seen_at: float, killed_at: float, stacks: dict | None) -> BaseException:
         """The failure to report: every rank that raised before we stopped the job competes."""
         failures, reports = [], {}
-        for rank, p in enumerate(self.processes):
+        for rank in range(len(self.processes)):
             report = reports[rank] = self._report(rank)
             if report is not None and report["time"] <= killed_at:
                 collateral = bool(re.search(_COLLATERAL, report["traceback"]))
@@ -1387,7 +1388,7 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
     # A rank that dies of a fatal signal (SIGABRT from NCCL's watchdog) leaves its stacks there too.
-    stack_file = open(err_file.replace(".err", ".stack"), "w")
+    stack_file = open(err_file.replace(".err", ".stack"), "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.register(_STACK_SIGNAL, stack_file, all_threads=True)
     faulthandler.enable(stack_file, all_threads=True)
     _die_with_parent(parent_pid)

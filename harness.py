@@ -289,7 +289,8 @@ def task_sampler_skip(spec: dict) -> dict:
 MIN_DDP = SCRIPTS / "min_ddp_driver.py"  # min_ddp.py as a command, with the suite's settings and hooks
 
 
-def run_min_ddp(directory: str | os.PathLike, *flags: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+def run_min_ddp(directory: str | os.PathLike, *flags: str, timeout: float = 180,
+                **env: str) -> subprocess.CompletedProcess:
     """``python min_ddp_driver.py *flags`` in ``directory``, with ``env`` added (FLOAT64, TRAIN_SIZE, STOP_AT...)."""
     return at_once([start_min_ddp(directory, *flags, **env)], timeout)[0]
 
@@ -325,14 +326,15 @@ def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
         for p in procs:
             p.kill()
         raise AssertionError(f"hung, killed after {timeout} s: {[p.communicate() for p in procs]}") from None
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=False)]
 
 
 def at_once(procs: list, timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """Independent commands, started by the caller, run side by side (a run mostly waits on imports and on its
     peers: a suite run keeps the cores busy less than half the time); each one's result, as subprocess.run's."""
     results = finish(procs, timeout)
-    return [subprocess.CompletedProcess(p.args, code, out, err) for p, (code, out, err) in zip(procs, results)]
+    return [subprocess.CompletedProcess(p.args, code, out, err)
+            for p, (code, out, err) in zip(procs, results, strict=True)]
 
 
 def default_sigint() -> None:
@@ -462,7 +464,7 @@ def assert_bitwise_equal(a, b, where: str = "state") -> None:
             assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where} lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

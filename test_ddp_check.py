@@ -10,6 +10,7 @@ import functools
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -385,7 +386,7 @@ def test_unused_parameters_name_the_keyword_and_tracebacks_come_once():
     assert message.count("Traceback") == 0 and message.count("rank 0's traceback, last lines:") == 1, message
     assert len(message.splitlines()) <= 15, message
     path = re.search(r"every rank's whole traceback: (\S+)", message).group(1)
-    full = open(path).read()
+    full = Path(path).read_text()
     assert "--- rank 0:" in full and "--- rank 1:" in full and full.count("Traceback") == 2
 
 

@@ -41,7 +41,8 @@ def no_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def start_job(tmp_path, *args: str, torchrun: int = 0, timeout: float = 240) -> tuple[subprocess.CompletedProcess, str, float]:
+def start_job(tmp_path, *args: str, torchrun: int = 0,
+              timeout: float = 240) -> tuple[subprocess.CompletedProcess, str, float]:
     """Run the job (under torchrun with that many local ranks, else launch()); (result, marker, seconds). NCCL's
     watchdog waits a minute after a timeout to dump its flight recorder, unless told a shorter wait."""
     script = SCRIPTS / "gpu_job.py"
@@ -94,12 +95,14 @@ def test_every_helper_works_with_cuda_and_cpu_tensors(tmp_path, backend, torchru
 def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
     """Checkpointer under nccl: the stop check's all-reduce, every rank's CUDA RNG in the snapshot, and a
     mid-epoch resume on one rank per GPU that ends with the uninterrupted run's model: bitwise on 1 or 2 GPUs,
-    within float32 rounding on 3 or more (the first step after the resume sums in another bucket layout). 1024 samples per GPU: 16
+    within float32 rounding on 3 or more (the first step after the resume sums in another bucket layout).
+    1024 samples per GPU: 16
     steps an epoch at any GPU count, so the stop after step 5 is in epoch 1 on 8 GPUs too."""
     def run(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
         return subprocess.run([*torchrun_command(GPUS), str(MIN_DDP), "--epochs", "2", "--batch-size", "64",
                                "--log-every", "1000", "--check-every", "1", *flags], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "TRAIN_SIZE": str(1024 * GPUS), "STOP_AT": stop})
+                              text=True, timeout=300,
+                              env={**os.environ, "TRAIN_SIZE": str(1024 * GPUS), "STOP_AT": stop})
     straight = run("--save-model", str(tmp_path / "straight.pt"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     snapshot, model = str(tmp_path / "snap.pt"), str(tmp_path / "model.pt")
@@ -160,7 +163,8 @@ def test_hung_nccl_rank_fails_after_the_timeout_and_both_are_placed(tmp_path):
     lines = (SCRIPTS / "gpu_job.py").read_text().splitlines()
     item = next(n for n, line in enumerate(lines, 1) if "reduce(torch.ones(1, device=device)).item()" in line)
     assert "Where each rank was when the collective timed out" in out.stderr, out.stderr[-3000:]
-    assert f"rank 0: blocked outside a collective call, at gpu_job.py:{item} in worker" in out.stderr, out.stderr[-3000:]
+    assert f"rank 0: blocked outside a collective call, at gpu_job.py:{item} in worker" in out.stderr, \
+        out.stderr[-3000:]
     assert "under nccl a rank waits for an earlier collective" in out.stderr
     assert f"NCCL's flight recorder wrote each rank's last collectives (pickles): {tmp_path / 'trace_'}0" in out.stderr
     assert leftover_processes(marker) == []

@@ -58,7 +58,8 @@ def resumed(stopped_at_12) -> dict[int, tuple[subprocess.CompletedProcess, Path]
         started[world] = (start_own_loop(directory, "snap.pt", "resumed.pt", "--nprocs", str(world), "--batch",
                                          str(batch)), directory)
     results = at_once([proc for proc, _ in started.values()])
-    return {world: (result, directory) for (world, (_, directory)), result in zip(started.items(), results)}
+    return {world: (result, directory)
+            for (world, (_, directory)), result in zip(started.items(), results, strict=True)}
 
 
 def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_12, resumed):

@@ -7,6 +7,7 @@ the tests allow generous deadlines so that a wrong behaviour (a hang, an orphan)
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -82,10 +83,8 @@ class Job:
 
     def kill_all(self) -> None:
         for pid in leftover_processes(f"DDP_TEST_MARKER={self.marker}"):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
@@ -107,13 +106,14 @@ def job(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nprocs, bad_rank", [(4, 2), (3, 0)], ids=["4-2", "3-0"])  # a rank amid the others; the primary
+# a rank amid the others; the primary
+@pytest.mark.parametrize("nprocs, bad_rank", [(4, 2), (3, 0)], ids=["4-2", "3-0"])
 def test_raising_rank_ends_the_job_and_is_reported_first(job, nprocs, bad_rank):
     j = job("raise", str(bad_rank), str(nprocs))
     code, out, err = j.finish()
     assert code == 1
     lines = err.strip().splitlines()
-    assert next(l for l in lines if l.startswith("ValueError")) == f"ValueError: root cause on rank {bad_rank}"
+    assert next(line for line in lines if line.startswith("ValueError")) == f"ValueError: root cause on rank {bad_rank}"
     assert f"[rank {bad_rank}] failed first; its traceback:" in err
     # The collateral errors of the waiting ranks are not the report.
     assert "Connection closed" not in err and "Connection reset" not in err
@@ -829,7 +829,8 @@ def test_hang_report_under_nccl_says_blocked_not_never_reached():
     assert ("rank 1: blocked outside a collective call, at train.py:41 in evaluate <- train.py:33 in main_worker; "
             "under nccl a rank waits for an earlier collective at its next synchronizing call") in nccl, nccl
     assert "never reached it" not in nccl and "rank 0: waiting in reduce()" in nccl
-    assert "rank 1: not in a collective (it never reached it), at train.py:41" in distributed._where_ranks_are(stacks, {})
+    gloo = distributed._where_ranks_are(stacks, {})
+    assert "rank 1: not in a collective (it never reached it), at train.py:41" in gloo
 
 
 def test_hang_report_under_nccl_calls_a_rank_in_a_helpers_copy_waiting():
@@ -901,7 +902,8 @@ def test_hung_rank_is_named_at_its_line_and_waiting_rank_at_its_call(job, tmp_pa
     expected = stuck_at.format(line_of(tmp_path, "spin()  "))
     assert any(f"rank 1: not in a collective (it never reached it), at job.py:{line} {expected}\n" in err
                for line in stuck), err
-    assert f"rank 0: waiting in reduce(), at job.py:{line_of(tmp_path, '# where the healthy ranks wait')} in worker" in err
+    waits = line_of(tmp_path, "# where the healthy ranks wait")
+    assert f"rank 0: waiting in reduce(), at job.py:{waits} in worker" in err
     stacks = re.search(r"every stack: (\S+)\)", err).group(1)
     assert "--- rank 0" in Path(stacks).read_text() and "--- rank 1" in Path(stacks).read_text()
     assert "another rank is probably stuck" not in err  # the guess gives way to what was seen

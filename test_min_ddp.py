@@ -43,7 +43,8 @@ RUNS = [(1, 128, 1, 7), (2, 64, 1, 5), (4, 32, 1, 100), (2, 32, 3, 3), (3, 50, 1
 def dataset_tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """min_ddp's (input, label) pairs in float64, as one input tensor and one label tensor."""
     with float64():
-        inputs, labels = zip(*min_ddp.make_dataset(split, TRAIN_SIZE if split == "train" else min_ddp.VAL_SIZE))
+        size = TRAIN_SIZE if split == "train" else min_ddp.VAL_SIZE
+        inputs, labels = zip(*min_ddp.make_dataset(split, size), strict=True)
     return torch.stack(inputs), torch.tensor(labels)
 
 
@@ -117,7 +118,7 @@ def runs(tmp_path_factory) -> dict:
         "--lr", str(LR), "--save-model", str(tmp / "model.pt"), "--no-sync-bn", FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
     results = at_once([proc for _, proc in started.values()], timeout=300)
     out = {}
-    for (key, (tmp, _)), done in zip(started.items(), results):
+    for (key, (tmp, _)), done in zip(started.items(), results, strict=False):
         assert done.returncode == 0, done.stderr
         out[key] = distributed.load_checkpoint(tmp / "model.pt"), done.stdout
     return out
@@ -135,7 +136,7 @@ def test_min_ddp_training_equals_a_one_process_loop_on_same_batches(runs, world,
     for key, value in expected.state_dict().items():
         assert (value - initial[key]).abs().max() > 1e-3, "training must move the model"
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{key}: min_ddp at world {world} != the 1-process loop\n{m}")
+                                   msg=lambda m, key=key: f"{key}: min_ddp at world {world} != the 1-process loop\n{m}")
 
 
 @pytest.mark.slow
@@ -145,13 +146,15 @@ def test_min_ddp_prints_every_ranks_and_the_global_metrics_of_each_interval(runs
     [global] line sums every rank's: the intervals tile the epoch (a padded sample counts as trained)."""
     _, printed = runs[world, batch, accum, log_every]
     _, lines = reference(world, batch, accum, log_every)
-    got = re.findall(r"^\[(rank \d+|global)\] epoch (\d+) step (\d+)/\d+ \| loss (\S+) \| acc (\S+)(?: \((\d+)/(\d+)\))?$",
+    got = re.findall(r"^\[(rank \d+|global)\] epoch (\d+) step (\d+)/\d+ \| loss (\S+) \| acc (\S+)"
+                     r"(?: \((\d+)/(\d+)\))?$",
                      printed, re.M)
     assert len(got) == len(lines) * (world + 1), printed
     for n, (epoch, batch_no, ranks, (loss, acc, correct, samples)) in enumerate(lines):
         block = got[n * (world + 1):(n + 1) * (world + 1)]
         assert [(int(e), int(b)) for _, e, b, *_ in block] == [(epoch, batch_no)] * (world + 1)
-        for (who, _, _, got_loss, got_acc, *_), (want_loss, want_acc) in zip(block, [*ranks, (loss, acc)]):
+        for (who, _, _, got_loss, got_acc, *_), (want_loss, want_acc) in zip(block, [*ranks, (loss, acc)],
+                                                                              strict=True):
             assert abs(float(got_loss) - want_loss) <= 6e-5 and abs(float(got_acc) - want_acc) <= 6e-5, (who, block)
         assert (int(block[-1][5]), int(block[-1][6])) == (correct, samples)
 
@@ -427,7 +430,7 @@ def test_min_ddp_step_passes_the_whole_step_check():
 def task_min_ddp_evaluate(spec: dict) -> tuple[float, float, float]:
     """On every rank of a pool: min_ddp.evaluate on this rank's pad=False share of spec's (input, label) pairs,
     with a float64 linear model."""
-    data = list(zip(spec["x"], spec["y"].tolist()))
+    data = list(zip(spec["x"], spec["y"].tolist(), strict=False))
     loader = DataLoader(data, batch_size=spec["batch"], sampler=distributed.data_sampler(data, True, False, pad=False))
     torch.manual_seed(0)
     return min_ddp.evaluate(nn.Linear(spec["x"].shape[1], CLASSES).double(), loader)

@@ -110,7 +110,7 @@ def seeded_resumes(seeded_runs) -> dict[str, tuple[subprocess.CompletedProcess, 
         started[name] = (start_random_loop(directory, "snap.pt", "resumed.pt", nprocs, batch, 0, *SEEDED, *flags),
                          directory)
     results = at_once([proc for proc, _ in started.values()])
-    return {name: (result, directory) for (name, (_, directory)), result in zip(started.items(), results)}
+    return {name: (result, directory) for (name, (_, directory)), result in zip(started.items(), results, strict=False)}
 
 
 @pytest.mark.parametrize("name", RESUMES)

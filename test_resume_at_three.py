@@ -12,14 +12,12 @@ All runs of a phase start together: the references beside the stopped runs, then
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once, start_min_ddp
+from harness import assert_bitwise_equal, at_once, start_min_ddp
 from test_random_resume import start_random_loop
 
 pytestmark = pytest.mark.slow
@@ -56,9 +54,9 @@ def resumed_at_three(tmp_path_factory) -> dict:
     first += [loop(name, ddp, stop) for name, ddp, stop in LOOP_STOPS]
     done = at_once(first, timeout=300)
     assert all(run.returncode in (0, 138) for run in done), [run.stderr[-2000:] for run in done]
-    for (name, _, _, where), run in zip(MIN_DDP_STOPS, done[2:4]):
+    for (_, _, _, where), run in zip(MIN_DDP_STOPS, done[2:4], strict=True):
         assert f"stopped by SIGUSR1 {where}; saved to" in run.stdout, run.stdout + run.stderr
-    for (name, _, stop), run in zip(LOOP_STOPS, done[6:8]):
+    for (_, _, stop), run in zip(LOOP_STOPS, done[6:8], strict=True):
         assert f"stopped by SIGUSR1 after step {stop} of epoch 1" in run.stdout, run.stdout + run.stderr
     second = [min_ddp(name, f64) for name, f64, *_ in MIN_DDP_STOPS]
     second += [loop(name, ddp, 0) for name, ddp, _ in LOOP_STOPS]

@@ -209,7 +209,7 @@ def test_torchrun_restart_resumes_from_the_snapshot_bitwise(straight, tmp_path):
              "--snapshot", str(tmp_path / "snap.pt")]
     out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
                           str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **SETTINGS, "CRASH_AT": "1:20"})  # rank 1 after step 20: in epoch 2 (16 steps each)
+                         env={**os.environ, **SETTINGS, "CRASH_AT": "1:20"})  # rank 1 after step 20: epoch 2
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "after 1 epoch(s)" in out.stdout, "the restart must resume"
     assert "failed (exitcode: 17) local_rank: 1" in out.stderr, "the injected fault must have happened"

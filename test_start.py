@@ -38,7 +38,8 @@ class Rank:
     def __init__(self, rank: int, world: int, port: int, tmp, *, netns: str | None = None, prefix=(), **env: str):
         self.out, self.err = tmp / f"rank{rank}-{port}.out", tmp / f"rank{rank}-{port}.err"
         inside = ["ip", "netns", "exec", netns] if netns else []
-        environ = {**{k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+        environ = {**{k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"},
+                   "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen([*inside, *prefix, sys.executable, str(SCRIPTS / "start.py")],

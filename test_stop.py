@@ -19,7 +19,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -180,7 +180,8 @@ def test_ranks_finding_snapshots_of_different_steps_all_fail(tmp_path, stop_sign
                                                              tmp_path))):
         assert code == 1 and (f"the ranks found different snapshots at {tmp_path / f'node{rank}' / 'snap.pt'} (rank 0: "
                               "the snapshot of step 1; rank 1: the snapshot of step 2): every rank must resume the "
-                              "same one. Put the snapshot on a file system every node sees") in err, f"rank {rank}: {err}"
+                              "same one. Put the snapshot on a file system every node sees") in err, \
+            f"rank {rank}: {err}"
 
 
 def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path, stop_signals_restored):
@@ -275,7 +276,7 @@ def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterru
     for line, signum, agent_flags in [("[global] epoch 1 step 2/16", signal.SIGTERM, []),
                                       ("[global] epoch 2 step 2/16", signal.SIGUSR1, [usr1])]:
         code, out, err = signal_once_printed([*torchrun, *agent_flags, str(MIN_DDP), *flags, "--log-every",
-                                              "1"], tmp_path, line, lambda pid: os.kill(pid, signum))
+                                              "1"], tmp_path, line, lambda pid, signum=signum: os.kill(pid, signum))
         assert f"stopped by {signum.name}" in out, out + err
         assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
     out = subprocess.run([*torchrun, str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True,
@@ -368,7 +369,8 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     assert "stopped by SIGTERM after step" in log.read_text() and "requeued" not in log.read_text()
     rerun = ["srun", "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]), "--snapshot", "snap.pt",
              "--save-model", "model.pt"]
-    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, **SETTINGS})
+    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, **SETTINGS})
     assert out.returncode == 0 and "resumed from snap.pt" in out.stdout, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
@@ -388,7 +390,8 @@ def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(s
     ({"check_every": 0}, "check_every must be an integer >= 1, got: 0"),
     ({"grad_accum": 2.0}, "grad_accum must be an integer >= 1, got: 2.0"),
     ({"save_every": -1}, "save_every must be an integer >= 0, got: -1"),
-    ({"settings": {"args": object()}}, r"settings\['args'\] is a object, which torch.load\(weights_only=True\) refuses"),
+    ({"settings": {"args": object()}},
+     r"settings\['args'\] is a object, which torch.load\(weights_only=True\) refuses"),
     ({"state": {"args": argparse.Namespace()}}, r"Checkpointer: state\['args'\] is a Namespace"),  # not at a save
     ({"env": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}}, "no process group yet; construct it after "
                                                                   r"distributed.init_process_group\(\)"),

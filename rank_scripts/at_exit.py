@@ -3,14 +3,18 @@
 The rank trains a DDP model that is still alive at cleanup() and in a reference cycle, with gc disabled so only
 cleanup()'s own collection runs; a handler registered first (so it runs last at exit) lists the gloo threads left."""
 import os
-import atexit, gc, glob, sys
+import atexit
+import gc
+import glob
+from pathlib import Path
+import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def gloo_threads():  # registered first, so it runs last at exit: just before the interpreter finalizes
-    names = [open(comm).read().strip() for comm in glob.glob("/proc/self/task/*/comm")]
+    names = [Path(comm).read_text().strip() for comm in glob.glob("/proc/self/task/*/comm")]
     print("gloo threads at exit:", sorted(name for name in names if "gloo" in name), flush=True)
 
 def worker(local_rank, world_size):

@@ -2,7 +2,9 @@
 import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from ddp_check import assert_ddp_equivalent
 

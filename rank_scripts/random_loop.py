@@ -1,7 +1,8 @@
 """A loop with real training's randomness, on a Checkpointer (test_stop.py):
 
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded|numpy-and-owned]
-                          [--workers K]                          [--persistent] [--accum K] [--stop-mid-group] [--ddp plain|find-unused|shared-memory]
+                          [--workers K] [--persistent] [--accum K] [--stop-mid-group]
+                          [--ddp plain|find-unused|shared-memory]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank

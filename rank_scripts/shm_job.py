@@ -1,7 +1,9 @@
 """shared_memory_allreduce's job (test_shared_memory.py): python shm_job.py BEHAVIOUR WIDTH.
 
 Under RANK/WORLD_SIZE (started by the test as torchrun would) the worker runs here; without, launch() starts 2."""
-import os, sys, time
+import os
+import sys
+import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed as dist

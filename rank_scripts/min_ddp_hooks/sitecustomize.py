@@ -1,6 +1,14 @@
 """The suite's hooks in every Python process of a min_ddp run (see min_ddp_driver.py): FLOAT64, STOP_AT,
 START_METHOD, CRASH_AT, SLOW_FIRST_RUN."""
-import multiprocessing, os, runpy, signal, sys, threading, time, warnings
+import multiprocessing
+import functools
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import warnings
 here = os.path.dirname(os.path.abspath(__file__))
 for entry in sys.path:  # a sitecustomize later on the path (the no-numpy tests') still runs
     if entry and os.path.abspath(entry) != here and os.path.isfile(os.path.join(entry, "sitecustomize.py")):
@@ -22,8 +30,11 @@ def after_step(optimizer, args, kwargs):
             continue
         signum = getattr(signal, name)
         if int(rank) == distributed.get_rank():
-            send = lambda: os.kill(os.getpid(), signum)
-            threading.Timer(0.3, send).start() if late else send()
+            send = functools.partial(os.kill, os.getpid(), signum)  # bound now: the loop goes on to other entries
+            if late:
+                threading.Timer(0.3, send).start()
+            else:
+                send()
         elif late:
             time.sleep(0.6)
 
