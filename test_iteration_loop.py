@@ -21,7 +21,6 @@ import checkpointer
 import distributed
 from harness import SCRIPTS, assert_bitwise_equal, at_once, default_sigint
 
-pytestmark = pytest.mark.slow  # every test here but one starts launch() jobs
 
 OWN_LOOP = SCRIPTS / "own_loop.py"
 
@@ -62,6 +61,7 @@ def resumed(stopped_at_12) -> dict[int, tuple[subprocess.CompletedProcess, Path]
             for (world, (_, directory)), result in zip(started.items(), results, strict=True)}
 
 
+@pytest.mark.slow
 def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_12, resumed):
     """The model, AdamW's state, each rank's generator (its next random batch), and the user's state (the best
     loss, a sum, the LR scheduler's position, a Generator, and a tensor the loop updates through its own name,
@@ -78,6 +78,7 @@ def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_
         again.stdout
 
 
+@pytest.mark.slow
 def test_own_loop_resumed_at_4_gives_every_rank_its_own_batches(resumed):
     """Resumed at world 4 with the same global batch (4 x 8 = 2 x 16): ranks 0 and 1 keep their generators, and
     ranks 2 and 3 get states of their own from the snapshot and their rank, never rank 0's (every rank drawing
@@ -119,6 +120,7 @@ def signal_once_printed(command: list[str], cwd: Path, line: str, signum: int, g
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_path):
     """Steps of 0.3 s and check_every left alone: the ranks time their steps and check about once a second, so
     SIGTERM to the launcher at iteration 5 stops them a few steps later, saved. Before, the check came every 100
@@ -132,6 +134,7 @@ def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_pa
     assert distributed.load_checkpoint(tmp_path / "snap.pt")["steps"] == stopped
 
 
+@pytest.mark.slow
 def test_a_hard_kill_loses_at_most_the_save_interval(tmp_path):
     """An iteration loop saves every save_interval seconds by itself (default 30 min; 1 s here, steps of 0.05 s):
     SIGKILL to the whole job after 40 iterations leaves a snapshot at most about a second old, and the same

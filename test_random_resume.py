@@ -20,7 +20,6 @@ import checkpointer
 import distributed
 from harness import SCRIPTS, assert_bitwise_equal, at_once
 
-pytestmark = pytest.mark.slow  # every test here but one starts launch() jobs
 
 
 def start_random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batch: int, stop: int,
@@ -53,6 +52,7 @@ def stop_and_resume(tmp_path: Path, flags: list[str], stop: int = 5) -> tuple[di
     return trained(tmp_path, "resumed.pt")
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
     """Dropout 0.2 and an augmentation drawing from the rank's global generator (num_workers=0). Before, the
     resumed epoch's new DataLoader iterator drew its workers' base seed from the restored generator, shifting
@@ -65,6 +65,7 @@ def test_resume_with_dropout_and_augmentation_in_the_rank_is_bitwise(tmp_path):
     assert_bitwise_equal(model, expected_model, "final model")
 
 
+@pytest.mark.slow
 def test_numpy_and_an_owned_generator_in_workers_resume_bitwise(tmp_path):
     """Augmentation from numpy's global generator and from a generator the dataset owns (seeded per item from
     torch.initial_seed(), as seeded_dataset's docstring shows), in 2 loader workers, stopped mid-epoch at world 2:
@@ -113,6 +114,7 @@ def seeded_resumes(seeded_runs) -> dict[str, tuple[subprocess.CompletedProcess, 
     return {name: (result, directory) for (name, (_, directory)), result in zip(started.items(), results, strict=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RESUMES)
 def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, seeded_resumes, name):
     """Resumed from the world-2 snapshot (stopped with 2 workers per rank, not persistent) at the same global

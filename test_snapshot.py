@@ -24,7 +24,6 @@ import distributed
 from harness import (HERE, MIN_DDP, assert_bitwise_equal, build_model, cannot_run, run_min_ddp, run_script,
                       task_save_ddp_state, task_save_expecting_error)
 
-pytestmark = pytest.mark.slow  # every test here but a few starts processes of its own
 
 EPOCHS = 3
 SETTINGS = {"FLOAT64": "1", "TRAIN_SIZE": "2048"}  # float64: a resume at another world size compares to 1e-9
@@ -59,6 +58,7 @@ def one_epoch(tmp_path_factory) -> Path:
     return tmp / "snap.pt"
 
 
+@pytest.mark.slow
 def test_stop_at_an_epochs_end_and_resume_equals_training_straight_through(straight, one_epoch, tmp_path):
     path = shutil.copy(one_epoch, tmp_path / "stopped.pt")
     assert distributed.load_checkpoint(path)["epoch"] == 1
@@ -140,6 +140,7 @@ def task_load_memory(spec: dict) -> dict:
     return {"peak": peak[0] - before, "after": anonymous_mb() - before, "sum": total}
 
 
+@pytest.mark.slow
 def test_ranks_resuming_a_large_snapshot_share_its_pages(pools, tmp_path):
     """2 ranks load a 1 GB snapshot: each rank's anonymous memory stays under a quarter of it, because both map
     the file's pages instead of each holding a private copy (8 ranks of a 48-GB snapshot would need 384 GB).
@@ -151,6 +152,7 @@ def test_ranks_resuming_a_large_snapshot_share_its_pages(pools, tmp_path):
         assert found["peak"] < 256 and found["after"] < 256, f"rank {rank}: {found} MB of anonymous memory"
 
 
+@pytest.mark.slow
 def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(straight, one_epoch, tmp_path):
     """2 x 64 -> 1 x 128 continues the same run, not bitwise (the reduction order changes): float64, to
     the suite's rtol = atol = 1e-9 (float32 drifts ~1e-4 over 3 epochs)."""
@@ -161,6 +163,7 @@ def test_snapshot_from_two_processes_resumes_on_one_with_the_same_global_batch(s
         torch.testing.assert_close(moved["model"][key], tensor, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_resume_that_changes_the_run_is_refused_naming_each_setting(one_epoch, tmp_path):
     """A resume with another seed, lr or dataset would silently train another run; one line, no traceback."""
     path = shutil.copy(one_epoch, tmp_path / "snap.pt")
@@ -176,6 +179,7 @@ def test_resume_that_changes_the_run_is_refused_naming_each_setting(one_epoch, t
     train(tmp_path, 1, 2, "--batch-size", "32", "--log-every", "7", "--timeout", "60", "--snapshot", str(path))
 
 
+@pytest.mark.slow
 def test_snapshot_of_another_model_is_a_clear_error(one_epoch, tmp_path):
     path = shutil.copy(one_epoch, tmp_path / "other.pt")
     state = distributed.load_checkpoint(path)
@@ -203,6 +207,7 @@ def test_snapshot_loads_into_a_plain_model_without_wrapper_prefixes(pools, tmp_p
 # 2. Fault-tolerant restart under torchrun
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_snapshot_bitwise(straight, tmp_path):
     """Rank 1 dies (os._exit) in epoch 2 of torchrun's first attempt; the restart resumes after epoch 1."""
     flags = ["--log-every", "50", "--seed", "5", "--epochs", str(EPOCHS), "--batch-size", "64",
@@ -246,6 +251,7 @@ def wait_for(pid: int, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_sigkill_at_100_random_points_during_save_never_corrupts_the_snapshot(tmp_path):
     path = tmp_path / "snap.pt"
     distributed.save_checkpoint(versioned_state(0), path)
@@ -279,6 +285,7 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_snapshot_whose_pickle_runs_code_is_refused(tmp_path):
     marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
     torch.save({"model": {}, "x": _Exploit(str(marker))}, path)
@@ -315,6 +322,7 @@ def test_corrupt_snapshot_is_an_error_naming_the_file(tmp_path, damage):
         distributed.load_checkpoint(path)
 
 
+@pytest.mark.slow
 def test_two_jobs_saving_to_one_path_each_leave_a_whole_snapshot(tmp_path):
     """Two jobs given the same --snapshot: with one fixed PATH.tmp, one job's rename took the other's
     file away, and that save failed with "No such file or directory". Each save now has its own."""
@@ -361,6 +369,7 @@ STRACE_UNAVAILABLE = cannot_run(["strace", "-f", "--seccomp-bpf", "-o", "/dev/nu
 # A save makes two fsync calls: the temporary file's, then the directory's after the rename. strace
 # makes one of them fail as a filesystem would: EINVAL where a directory cannot be synced (an SMB share
 # under WSL, vboxsf), EIO for a real I/O error.
+@pytest.mark.slow
 @pytest.mark.skipif(bool(STRACE_UNAVAILABLE), reason=str(STRACE_UNAVAILABLE))
 @pytest.mark.parametrize("fails, error, saved", [("directory", "EINVAL", True), ("directory", "EIO", False),
                                                  ("file", "EINVAL", False)])
@@ -392,6 +401,7 @@ def read_only_dir(tmp_path):
         subprocess.run(["umount", "-l", str(mount)])
 
 
+@pytest.mark.slow
 def test_read_only_directory_keeps_the_previous_snapshot(read_only_dir, pools):
     path = read_only_dir / "snap.pt"
     distributed.save_checkpoint(versioned_state(1), path)

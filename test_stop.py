@@ -30,7 +30,6 @@ import distributed
 from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run_min_ddp, start_ranks,
                      wait_for_job)
 
-pytestmark = pytest.mark.slow  # every test here but a few starts processes of its own
 
 # 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
 FLAGS = ["--nprocs", "2", "--epochs", "2", "--batch-size", "64", "--seed", "3", "--log-every", "5",
@@ -75,6 +74,7 @@ SCENARIOS = {
 EXTRA = {"while one rank waits in the gradient all-reduce": ["--check-every", "4"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterrupted, tmp_path, scenario):
     """Every rank stops after the same step whichever rank got the signal, saves, and exits with 128 +
@@ -104,6 +104,7 @@ def stopped_at_step_7(tmp_path_factory) -> Path:
     return tmp / "snap.pt"
 
 
+@pytest.mark.slow
 def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(stopped_at_step_7):
     state = distributed.load_checkpoint(stopped_at_step_7)
     assert (state["epoch"], state["epoch_steps"], state["steps"], state["global_batch"]) == (0, 7, 7, 128)
@@ -111,6 +112,7 @@ def test_stop_snapshot_records_the_position_and_every_ranks_rng_and_metrics(stop
     assert [int(rank["state"]["unlogged"][2]) for rank in state["ranks"]] == [2 * 64, 2 * 64]  # steps 6 and 7
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, batch", [(1, "128"), (4, "32")])
 def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterrupted, stopped_at_step_7,
                                                                                  tmp_path, world, batch):
@@ -135,6 +137,7 @@ def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterr
         torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_at_step_7,
                                                                                                     tmp_path):
     snap = str(shutil.copy(stopped_at_step_7, tmp_path / "snap.pt"))
@@ -147,12 +150,14 @@ def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_
             "with the same global batch: use at 1 process(es), batch size x grad_accum = 128 per process") in out.stderr
 
 
+@pytest.mark.slow
 def test_without_snapshot_a_stop_still_ends_every_rank_at_one_step(tmp_path):
     out = run(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
     assert out.returncode == 140, out.stderr
     assert "stopped by SIGUSR2 after step 2 of epoch 1; not saved (no snapshot path)" in out.stdout
 
 
+@pytest.mark.slow
 def test_snapshot_only_some_ranks_see_fails_every_rank_naming_the_fix(tmp_path):
     """Rank 0's node has the snapshot and rank 1's does not (node-local disks): resuming one and starting
     the other fresh would drift silently, so every rank fails, saying where the snapshot must be. The ranks are
@@ -166,6 +171,7 @@ def test_snapshot_only_some_ranks_see_fails_every_rank_naming_the_fix(tmp_path):
                               "snapshot on a file system every node sees") in err, f"rank {rank}: {err}"
 
 
+@pytest.mark.slow
 def test_ranks_finding_snapshots_of_different_steps_all_fail(tmp_path, stop_signals_restored):
     """Node-local disks with a snapshot each, left by different runs or stops: rank 0's of step 1, rank 1's of
     step 2. Agreeing on whether each found one is not enough: they would resume from different steps and drift
@@ -184,6 +190,7 @@ def test_ranks_finding_snapshots_of_different_steps_all_fail(tmp_path, stop_sign
             f"rank {rank}: {err}"
 
 
+@pytest.mark.slow
 def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path, stop_signals_restored):
     """A snapshot whose run had a setting the resuming script no longer passes (it dropped --warmup, or it is
     another script's snapshot at the same path) is another run's: refused, naming the setting, in a loop of the
@@ -200,6 +207,7 @@ def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path
     assert f"min_ddp: the snapshot {path} belongs to another run: --warmup: 100 there, not given here" in out.stderr
 
 
+@pytest.mark.slow
 def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, tmp_path):
     """`kill -TERM <launcher>`: the workers get it, stop at a step and save; then the launcher dies of
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""
@@ -236,6 +244,7 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> st
     raise TimeoutError(f"no line with {text!r} within {timeout} s")
 
 
+@pytest.mark.slow
 def test_save_slower_than_the_grace_is_killed_reported_and_not_a_clean_stop(tmp_path):
     """SIGUSR1 to the launcher, grace 1 s, a save of 60 s: the launcher kills the ranks, says which and what they
     had saved, and exits 1, not 138 as a stop that saved would; the previous snapshot is still whole. Before, it
@@ -249,6 +258,7 @@ def test_save_slower_than_the_grace_is_killed_reported_and_not_a_clean_stop(tmp_
     assert distributed.load_checkpoint(path) == {"version": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, reported", [
     ("raise", "OSError: [Errno 28] No space left on device"),
     ("die", "rank 1 was killed by signal SIGKILL (the OOM killer sends SIGKILL: check memory, e.g. dmesg) "
@@ -263,6 +273,7 @@ def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(
     assert reported in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("torchrun"), reason="torchrun is not on PATH")
 def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterrupted,
                                                                                                    tmp_path):
@@ -297,6 +308,7 @@ def uninterrupted_small_batches(tmp_path_factory) -> dict:
     return distributed.load_checkpoint(tmp / "model.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["", "forkserver"], ids=["platform-default", "forkserver-as-python-3.14"])
 def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted_small_batches, tmp_path,
                                                                         start_method):
@@ -337,6 +349,7 @@ def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, uninterrupted,
                                                                                      tmp_path):
     """`--time=2 --signal=USR1@70 --requeue`: slurmctld checks every 30 s and signals at its first check
@@ -354,6 +367,7 @@ def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, unin
     assert done_line(log) == done
 
 
+@pytest.mark.slow
 def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     """`scancel JOB` is SIGTERM to every task: they save and the job ends CANCELLED, never requeued
     (although it was submitted with --requeue); the same command resumes it bitwise."""
@@ -375,6 +389,7 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
+@pytest.mark.slow
 def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(slurm, tmp_path):
     """In a container without scontrol the requeue cannot be asked for: min_ddp says so and every rank
     exits 75 (EX_TEMPFAIL), the code slurm.conf's RequeueExit=75 requeues on."""
@@ -496,6 +511,7 @@ def test_checkpointer_py_reads_only_public_names_and_distributed_py_not_it():
     assert not {name for name in imports if "checkpointer" in name}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch", "torchrun"])
 def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path, launcher):
     """A loop written to stop_requested()'s contract: it asks at every step boundary and never calls
@@ -518,6 +534,7 @@ def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path,
         assert f"rank {rank} answered SIGUSR1" in out, out + err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("pgrep") or sys.platform != "linux", reason="needs pgrep on Linux")
 def test_a_rank_is_found_by_its_process_name_and_signalled(tmp_path):
     """launch()'s ranks show the forkserver's command line, so `ps | grep train.py` finds only the launcher; each
