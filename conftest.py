@@ -29,8 +29,14 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 for name in [name for name in os.environ if (name.startswith(LAUNCHER_PREFIXES) and name != "SLURM_CONF")
              or name in LAUNCHER_VARS]:
     del os.environ[name]
-collect_ignore = [name for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+collect_ignore = [os.path.join(folder, name) for folder in (".", "tests")
+                  for name in os.listdir(os.path.join(ROOT, folder))
                   if name.startswith("test_") and name.endswith(".py") and GPU_TESTS and name != "test_gpu.py"]
+# Every process a test starts (ranks, launchers, torchrun's and srun's workers) imports the library and the suite's
+# helpers by name, as pytest.ini's pythonpath lets the tests themselves.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH"))
+                                           if p)
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -294,12 +294,13 @@ def synced_batchnorm_conv() -> nn.Module:
         nn.Linear(4 * 4 * 4, 3)))
 
 
-def images() -> TensorDataset:
+def small_images() -> TensorDataset:
     gen = torch.Generator().manual_seed(4)
     return TensorDataset(torch.randn(64, 1, 4, 4, generator=gen), torch.randint(3, (64,), generator=gen))
 
 
-@pytest.mark.parametrize("make_model, make_data", [(synced_batchnorm_mlp, vectors), (synced_batchnorm_conv, images)],
+@pytest.mark.parametrize("make_model, make_data",
+                         [(synced_batchnorm_mlp, vectors), (synced_batchnorm_conv, small_images)],
                          ids=["BatchNorm1d-affine", "BatchNorm2d-momentum-None"])
 def test_sync_batchnorm_trains_as_one_process_at_worlds_2_and_3(make_model, make_data):
     """sync_batchnorm on CPU processes: every step's gradients, parameters and buffers (the running mean, the

@@ -4,7 +4,6 @@ Under RANK/WORLD_SIZE (started by the test as torchrun would) the worker runs he
 import os
 import sys
 import time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed as dist
 from shared_memory_allreduce import shared_memory_allreduce

@@ -1,10 +1,7 @@
 """A launcher that used OpenMP threads before launch() (test_launch.py): python openmp.py."""
-import os
-import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import distributed  # noqa: E402
+import distributed
 
 
 def worker(local_rank, world_size):

@@ -1,7 +1,5 @@
 """print_ranked from every rank (test_ddp.py): python ranked.py NPROCS."""
-import os
 import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distributed as dist
 
 def worker(local_rank, world_size):

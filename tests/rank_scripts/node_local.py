@@ -1,7 +1,6 @@
 """Each rank keeps its snapshot on its own node's disk (test_stop.py): python node_local.py DIR NPROCS."""
 import os
 import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import checkpointer
 import distributed

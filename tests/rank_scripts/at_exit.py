@@ -2,13 +2,10 @@
 
 The rank trains a DDP model that is still alive at cleanup() and in a reference cycle, with gc disabled so only
 cleanup()'s own collection runs; a handler registered first (so it runs last at exit) lists the gloo threads left."""
-import os
 import atexit
 import gc
 import glob
 from pathlib import Path
-import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed
 from torch.nn.parallel import DistributedDataParallel as DDP

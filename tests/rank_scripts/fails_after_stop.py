@@ -7,9 +7,8 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpointer  # noqa: E402
-import distributed  # noqa: E402
+import checkpointer
+import distributed
 
 
 def worker(local_rank, world_size, how):

@@ -1,9 +1,7 @@
 """Every helper with CUDA and CPU tensors, then BEHAVIOUR (test_gpu.py):
 python gpu_job.py BACKEND SNAPSHOT [BEHAVIOUR]."""
-import os
 import sys
 import time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import checkpointer
 import distributed

@@ -2,8 +2,6 @@
 MASTER_ADDR, MASTER_PORT): it joins, all-reduces once and leaves (test_start.py).
 TIMEOUT (seconds) replaces the default timeout; POSE_AS_TORCH poses as another torch install."""
 import os
-import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed
 

@@ -1,12 +1,12 @@
 """Benchmarks for distributed.py and min_ddp's training loop on this machine, side by side in one run.
 
-    python bench.py                 # the table (about 5 minutes on 2 cores)
-    python bench.py --runs 9 --json # more runs; machine-readable
-    python bench.py --srun          # only the SLURM row (needs a cluster: bash .ci/slurm up)
-    python bench.py --save          # only a Checkpointer save with 64 MB of state per rank, world 2
-    python bench.py --start         # only a good start by hand (env://): init_process_group, ours against torch's
-    python bench.py --world3        # only world 3: what bitwise resume costs (shared memory, gloo, find_unused)
-    python bench.py --items         # only seeded_dataset's cost per item read, in the process and in a loader worker
+    python bench/bench.py                  # the table (about 5 minutes on 2 cores)
+    python bench/bench.py --runs 9 --json  # more runs; machine-readable
+    python bench/bench.py --srun           # only the SLURM row (needs a cluster: bash .ci/slurm up)
+    python bench/bench.py --save           # only a Checkpointer save with 64 MB of state per rank, world 2
+    python bench/bench.py --start          # only a start by hand (env://): ours against torch's
+    python bench/bench.py --world3         # only world 3: what bitwise resume costs
+    python bench/bench.py --items          # only seeded_dataset's cost per item read
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -39,13 +39,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import distributed as dist
-from shared_memory_allreduce import shared_memory_allreduce
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the library this measures sits one folder up, as in the repository
+import distributed as dist  # noqa: E402
+from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
            "launch_vs_torchrun": 0.80, "fail_fast_s": 1.0, "srun_vs_spawn": 0.80}
-MIN_DDP_2_EPOCHS = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "min_ddp.py"),
+MIN_DDP_2_EPOCHS = [sys.executable, os.path.join(ROOT, "min_ddp.py"),
                     "--epochs", "2", "--log-every", "100000"]
 
 

@@ -1,7 +1,4 @@
 """A rank that prints what it was given (test_launch.py): python ranks.py (under srun, salloc or launch())."""
-import os
-import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import distributed
 

@@ -12,16 +12,14 @@ each rank's first batch of this run and how many iterations this run trained; OU
 import argparse
 import os
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distributed  # noqa: E402
-from checkpointer import Checkpointer  # noqa: E402
+import distributed
+from checkpointer import Checkpointer
 
 
 def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:

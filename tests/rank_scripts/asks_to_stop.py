@@ -4,7 +4,6 @@ answered on every rank. python asks_to_stop.py DIR (under launch() or torchrun).
 import os
 import sys
 import time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpointer
 import distributed
 

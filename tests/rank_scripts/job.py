@@ -11,11 +11,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import checkpointer  # noqa: E402
-import distributed as dist  # noqa: E402
+import checkpointer
+import distributed as dist
 
 
 def spin():

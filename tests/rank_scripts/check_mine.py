@@ -1,7 +1,4 @@
 """ddp_check from a plain script (test_ddp_check.py): a correct loss, a summed one, the correct one again."""
-import os
-import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -34,7 +34,7 @@ import distributed
 from harness import (HERE, SCRIPTS, cannot_run, default_sigint, finish, free_port, leftover_processes, readme_snippet,
                      run_script, start_ranks, wait_for_job)
 
-JOB_SCRIPT = Path(HERE, "rank_scripts", "job.py")  # a job whose ranks misbehave on request
+JOB_SCRIPT = SCRIPTS / "job.py"  # a job whose ranks misbehave on request
 
 # launch() starts every worker from its forkserver, whether or not the launcher has threads (numpy's
 # BLAS threads, OpenMP's after a parallel op): JOB_THREAD gives the launcher one, for the tests that say so.
@@ -630,7 +630,7 @@ def test_the_suite_inside_a_batch_job_never_requeues_that_job(tmp_path):
            "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_RESTART_COUNT": "0",
            "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                          "test_launch.py::test_the_suites_processes_see_no_job_of_the_shell"], cwd=HERE,
+                          "tests/test_launch.py::test_the_suites_processes_see_no_job_of_the_shell"], cwd=HERE,
                          capture_output=True, text=True, timeout=180, env={**os.environ, **job})
     assert out.returncode == 0, out.stdout[-3000:]
     assert not (tmp_path / "calls").exists(), (tmp_path / "calls").read_text()

@@ -1,8 +1,6 @@
 """A save slower than the launcher's grace (test_stop.py): python slow_save.py SNAPSHOT."""
-import os
 import sys
 import time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import checkpointer
 import distributed

@@ -1,9 +1,7 @@
 """What a worker sees of the main module (test_launch.py): a setting at module level, changed under the main guard."""
 import os
-import sys
 import threading
 import time
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if os.environ.get("WITH_NUMPY"):
     import numpy  # noqa: F401                     # most users' environments: BLAS threads at import
 import distributed

@@ -17,17 +17,15 @@ import argparse
 import contextlib
 import os
 import signal
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
 
-import distributed  # noqa: E402
-from checkpointer import Checkpointer  # noqa: E402
-from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
+import distributed
+from checkpointer import Checkpointer
+from shared_memory_allreduce import shared_memory_allreduce
 
 SAMPLES, FEATURES = 256, 8
 

@@ -33,8 +33,8 @@ import distributed
 from ddp_check import check_equivalence
 from shared_memory_allreduce import shared_memory_allreduce
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = Path(HERE, "rank_scripts")  # the programs the tests run as real processes (ranks, launchers, drivers)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the library, the example
+SCRIPTS = Path(HERE, "tests", "rank_scripts")  # the programs the tests run as processes (ranks, launchers, drivers)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")  # conftest.py loads it
 
 

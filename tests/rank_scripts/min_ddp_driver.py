@@ -16,7 +16,7 @@ import os
 import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
-repo = os.path.dirname(here)
+repo = os.path.dirname(os.path.dirname(here))  # tests/rank_scripts/ -> the repository
 path = os.pathsep.join(p for p in (os.path.join(here, "min_ddp_hooks"), repo, os.environ.get("PYTHONPATH")) if p)
 size = ["--train-size", os.environ["TRAIN_SIZE"]] if os.environ.get("TRAIN_SIZE") else []
 os.execve(sys.executable, [sys.executable, os.path.join(repo, "min_ddp.py"), *sys.argv[1:], *size],
