@@ -364,7 +364,7 @@ def test_the_gpu_tests_run_only_when_asked_for_and_then_alone():
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                                cwd=HERE, capture_output=True, text=True, timeout=120,
                                env={**os.environ, "DDP_GPU_TESTS": "1"})
-    assert {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line} == {"test_gpu.py"}, \
+    assert {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line} == {"tests/test_gpu.py"}, \
         collected.stdout[-2000:]
 
 

@@ -1,6 +1,6 @@
 """What only a GPU shows: nccl, CUDA tensors in every helper, snapshots on the GPU, failures under nccl.
 
-    DDP_GPU_TESTS=1 python -m pytest -q test_gpu.py   # on a machine with CUDA; the CPU suite hides the GPUs
+    DDP_GPU_TESTS=1 python -m pytest -q tests/test_gpu.py   # on a machine with CUDA; the CPU suite hides the GPUs
 
 NCCL refuses two ranks on one GPU, so with one GPU nccl runs as a world of one and the multi-rank
 cases run under torchrun as gloo with CUDA tensors; the failure cases under nccl need two GPUs.
@@ -26,7 +26,7 @@ from harness import MIN_DDP, SCRIPTS, assert_bitwise_equal, leftover_processes, 
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible (the CPU suite hides them): run "
-                                "`DDP_GPU_TESTS=1 python -m pytest -q test_gpu.py` on a machine with a GPU")
+                                "`DDP_GPU_TESTS=1 python -m pytest -q tests/test_gpu.py` on a machine with a GPU")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one device")
 
 
