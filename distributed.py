@@ -293,18 +293,7 @@ def check_repeatable(dataset: Dataset, indices: Iterable[int] = (0,)) -> None:
     For a dataset of seeded_dataset's, that names a generator it does not reseed."""
     for index in indices:
         if not _same_item(dataset[index], dataset[index]):
-            break
-    else:
-        return
-    if isinstance(dataset, _SeededDataset):
-        raise ValueError(f"item {index} differs between two reads: your dataset draws from a generator seeded_dataset "
-                         "does not reseed (one it owns: an np.random.Generator, random.Random or torch.Generator, as "
-                         "albumentations >= 1.4.21 and MONAI keep). Seed it per item inside __getitem__ from "
-                         "torch.initial_seed(), the item's seed (seeded_dataset's docstring shows how)")
-    raise ValueError(f"item {index} differs between two reads: the data's items change from one read to the next "
-                     "(random augmentation from a global generator), so each rank, one process and a resumed run "
-                     "draw their own. Wrap the dataset with distributed.seeded_dataset(data, seed): each sample's "
-                     "randomness then depends only on (seed, epoch, index)")
+            raise ValueError(_unrepeatable(index, seeded=isinstance(dataset, _SeededDataset)))
 
 
 # ------------------------------ Collectives: each must be called on all ranks, in the same order ---
@@ -459,21 +448,7 @@ def sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, DistributedDataParallel):
         raise TypeError("sync_batchnorm: the model is already wrapped in DistributedDataParallel, whose buckets "
                         "hold the old layers; convert first, then wrap: DDP(distributed.sync_batchnorm(model))")
-    if not isinstance(model, torch.nn.modules.batchnorm._BatchNorm) or isinstance(model, torch.nn.SyncBatchNorm):
-        for name, child in model.named_children():
-            converted = sync_batchnorm(child)
-            if converted is not child:
-                setattr(model, name, converted)
-        return model
-    on_gpu = any(t is not None and t.is_cuda for t in (model.weight, model.running_mean))
-    kind = torch.nn.SyncBatchNorm if on_gpu or torch.cuda.is_available() else _SyncBatchNormCPU
-    layer = kind(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
-    if model.affine:
-        layer.weight, layer.bias = model.weight, model.bias  # the same Parameters: an optimizer holding them stays
-    layer.running_mean, layer.running_var = model.running_mean, model.running_var
-    layer.num_batches_tracked = model.num_batches_tracked
-    layer.train(model.training)
-    return layer
+    return _synchronized(model)
 
 
 # ------------------------------ Stops: the launcher's side ----------------------------------
@@ -1050,6 +1025,18 @@ def _refuse_iterable(dataset: Dataset, where: str) -> None:
                         "out first leave the others waiting in an all-reduce")
 
 
+def _unrepeatable(index: int, seeded: bool) -> str:
+    if seeded:
+        return (f"item {index} differs between two reads: your dataset draws from a generator seeded_dataset does "
+                "not reseed (one it owns: an np.random.Generator, random.Random or torch.Generator, as "
+                "albumentations >= 1.4.21 and MONAI keep). Seed it per item inside __getitem__ from "
+                "torch.initial_seed(), the item's seed (seeded_dataset's docstring shows how)")
+    return (f"item {index} differs between two reads: the data's items change from one read to the next (random "
+            "augmentation from a global generator), so each rank, one process and a resumed run draw their own. "
+            "Wrap the dataset with distributed.seeded_dataset(data, seed): each sample's randomness then depends "
+            "only on (seed, epoch, index)")
+
+
 def _same_item(a: Any, b: Any) -> bool:
     """Whether two reads of an item are equal: tensors and arrays element by element, containers item by item."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -1063,6 +1050,25 @@ def _same_item(a: Any, b: Any) -> bool:
         return bool(equal.all()) if hasattr(equal, "all") else bool(equal)  # numpy arrays, without numpy
     except Exception:
         return False
+
+
+def _synchronized(model: torch.nn.Module) -> torch.nn.Module:
+    """sync_batchnorm's conversion: each BatchNorm layer replaced, every other module's children visited."""
+    if not isinstance(model, torch.nn.modules.batchnorm._BatchNorm) or isinstance(model, torch.nn.SyncBatchNorm):
+        for name, child in model.named_children():
+            converted = _synchronized(child)
+            if converted is not child:
+                setattr(model, name, converted)
+        return model
+    on_gpu = any(t is not None and t.is_cuda for t in (model.weight, model.running_mean))
+    kind = torch.nn.SyncBatchNorm if on_gpu or torch.cuda.is_available() else _SyncBatchNormCPU
+    layer = kind(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
+    if model.affine:
+        layer.weight, layer.bias = model.weight, model.bias  # the same Parameters: an optimizer holding them stays
+    layer.running_mean, layer.running_var = model.running_mean, model.running_var
+    layer.num_batches_tracked = model.num_batches_tracked
+    layer.train(model.training)
+    return layer
 
 
 class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
