@@ -1094,14 +1094,17 @@ class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
                 factor = 1.0 / float(self.num_batches_tracked)
         channels, dims = input.shape[1], [0, *range(2, input.dim())]
         shape = [1, channels] + [1] * (input.dim() - 2)
-        local = torch.cat([input.sum(dims), input.new_full((1,), input.numel() // max(channels, 1))])
+        # Statistics in float32 at least, as BatchNorm's kernels keep them: a bf16 sum of a global batch (autocast)
+        # loses its mean, and a bf16 count is exact only up to 256.
+        x = input.to(torch.promote_types(input.dtype, torch.float32))
+        local = torch.cat([x.sum(dims), x.new_full((1,), x.numel() // max(channels, 1))])
         total = _AllReduceSum.apply(local)
         count = int(total[-1].detach())
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.shape} "
                              f"on this rank and {count} value(s) per channel in the global batch")
         mean = total[:-1] / count
-        centered = input - mean.reshape(shape)
+        centered = x - mean.reshape(shape)
         var = _AllReduceSum.apply(centered.square().sum(dims)) / count
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.affine:
@@ -1110,7 +1113,7 @@ class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
                 self.running_var.mul_(1 - factor).add_(var.detach() * (count / (count - 1)) * factor)
-        return out
+        return out.to(input.dtype)
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -617,6 +617,27 @@ def test_sync_batchnorm_edges_on_two_ranks(pools):
         assert "1 value(s) per channel in the global batch" in found["alone"]
 
 
+def task_sync_batchnorm_bf16(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = distributed.get_rank()
+    x = 100 + torch.randn(1201, 3, generator=torch.Generator().manual_seed(rank))  # a mean far from 0
+    layer = distributed.sync_batchnorm(nn.BatchNorm1d(3))
+    return layer(x.to(torch.bfloat16)).detach(), layer.running_mean.clone()
+
+
+def test_sync_batchnorm_of_bf16_input_keeps_float32_statistics(pools):
+    """bf16 input, as under CPU autocast (ddp_check's mixed_precision): the statistics are float32, as BatchNorm's
+    kernels keep them, and the output is bf16 like the input. Summed in bf16, a global batch of mean 100 lost its
+    mean (outputs 0.79 off) and a count above 256 was not exact."""
+    both = torch.cat([100 + torch.randn(1201, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)])
+    reference = nn.BatchNorm1d(3)
+    expected = reference(both.to(torch.bfloat16).float())
+    for rank, (out, running_mean) in enumerate(pools.run(2, task_sync_batchnorm_bf16, {})):
+        assert out.dtype == torch.bfloat16
+        # 0.03: bf16's rounding of standardized outputs up to about 4 (its spacing there is 2^-6 = 0.016)
+        torch.testing.assert_close(out.float(), expected[rank * 1201:(rank + 1) * 1201], rtol=0, atol=0.03)
+        torch.testing.assert_close(running_mean, reference.running_mean, rtol=1e-6, atol=1e-6)
+
+
 def test_set_epoch_skip_beyond_this_ranks_share_is_an_error_naming_it():
     sampler = distributed.data_sampler(list(range(10)), True, shuffle=True)
     with pytest.raises(ValueError, match=r"skip must be between 0 and this rank's share of 10 samples, got: 11"):
