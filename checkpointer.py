@@ -501,9 +501,9 @@ def _restored(current: Any, saved: Any) -> Any:
         for key, value in saved.items():
             current[key] = _restored(current.get(key), value)
     elif isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
-        current[:] = [_restored(now, value) for now, value in zip(current, saved, strict=False)]
+        current[:] = [_restored(now, value) for now, value in zip(current, saved, strict=True)]
     elif isinstance(current, tuple) and isinstance(saved, (list, tuple)) and len(current) == len(saved):
-        return type(current)(_restored(now, value) for now, value in zip(current, saved, strict=False))
+        return type(current)(_restored(now, value) for now, value in zip(current, saved, strict=True))
     else:
         return saved
     return current

@@ -1161,7 +1161,7 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     lengths = all_gather(len(data)).tolist()
     # From the buffer, not byte by byte (a large state saves fast); one byte more: frombuffer refuses an empty one.
     rows = all_gather(torch.frombuffer(bytearray(data.ljust(max(lengths) + 1, b"\0")), dtype=torch.uint8))
-    return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths, strict=False)]
+    return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths, strict=True)]
 
 
 # ------------------------------ Checkpoints --------------------------------------------------

@@ -102,7 +102,7 @@ def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
     centers = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(DATA_SEED))
     gen = torch.Generator().manual_seed(DATA_SEED + (1 if split == "train" else 2))
     labels = torch.randint(CLASSES, (size,), generator=gen)
-    return list(zip(centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen), labels.tolist(), strict=False))
+    return list(zip(centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen), labels.tolist(), strict=True))
 
 
 def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
