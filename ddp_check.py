@@ -1,33 +1,55 @@
-"""Check your own model: does DDP training equal 1-process training? Copy next to distributed.py.
+"""Check your own model and training step: does DDP train as one process does? Copy next to distributed.py.
 
     # test_my_model.py                          (top-level callables: ranks are separate processes)
-    from ddp_check import assert_ddp_equivalent
-    from my_project import make_model, make_data, loss_fn
+    from ddp_check import assert_ddp_equivalent, assert_step_equivalent
+    from my_project import make_model, make_data, loss_fn, train_step
 
     def test_my_model_trains_the_same_under_ddp():
         assert_ddp_equivalent(make_model, make_data, loss_fn)
 
-For each world size W, W real gloo processes on this machine train ``steps`` steps through DDP and
-distributed.data_sampler, in float64, and one process trains on the union of their batches. The
-first step's gradients, then every parameter and buffer after every step, must match the one
-process, and the replicas must be bitwise equal to each other. A divergence is an AssertionError
-naming the world size, the step, the first diverging tensor, the errors, and the likely cause.
+    def test_my_step_trains_the_same_under_ddp():    # accumulation, loss scaling, clipping: your whole step
+        assert_step_equivalent(make_model, make_data, train_step)
 
-Tolerance: rtol = 1e-7, and atol = 1e-7 x the reference tensor's largest magnitude (at least 1).
-In float64 the only honest difference is the order of the all-reduce's sums (~1e-16 relative).
-Adaptive optimizers (Adam) divide by sqrt(v) + eps, which amplifies the rounding of a near-zero
-gradient up to lr / eps times; with float64 and eps >= 1e-8 that stays below 1e-10 over a few steps
-(measured in this project's suite), so 1e-7 keeps three orders of magnitude of margin on both
-sides: every cause named below diverges by 1e-3 or more.
+One engine behind both: assert_ddp_equivalent is the step check with a standard step (each micro-batch's mean
+loss over their number, all but the last under no_sync(), then the optimizer). For each world size W it trains,
+in float64 on real gloo processes of this machine:
 
-Worker pools are started once per world size and reused by every call in this Python process
-(the first call takes a few seconds), stopped at exit; a rank that hangs fails the call after
-TIMEOUT_S seconds.
+    ddp      W ranks through DDP, each drawing its batches through distributed.data_sampler;
+    micro    one process with the same micro-batch structure (micro-batch m: the union of the ranks' m-th);
+    scaled   the same at loss scale 1024 (your step only: a GradScaler it must use; a power of two is exact);
+    whole    one process on each step's samples in one batch (when there are 2 or more micro-batches).
+
+A hook on DDP's all-reduce records at which micro-step each step synchronised and the gradients it averaged
+(before any clipping); every step's parameters and buffers are kept. The first of these that fails names it and
+its likely cause, in this order, the same for both checks:
+
+    1. the data's items change between two reads (before any process trains): seeded_dataset is the fix;
+    2. a step raised (unused parameters named with the step, rank and the DDP option that fits);
+    3. DDP all-reduced at another micro-step than the last;
+    4. one process trains differently at loss scale 1024 than at 1 (gradients used before unscale_);
+    5. micro against whole: accumulation (a loss not divided by the micro-batches), or the model's suspects;
+    6. the replicas differ from each other (state changed from a rank's own data);
+    7. ddp against micro: a factor of the world size (a summed loss), or the model's suspects (BatchNorm,
+       dropout).
+
+Compared: the first step's averaged gradients, then every parameter and buffer after every step, in the
+model's order. Replicas must be bitwise equal. Tolerance: rtol = 1e-7, and atol = 1e-7 x the reference
+tensor's largest magnitude (at least 1). In float64 the only honest difference is the order of the
+all-reduce's sums (~1e-16 relative). Adaptive optimizers (Adam) divide by sqrt(v) + eps, which amplifies the
+rounding of a near-zero gradient up to lr / eps times; with float64 and eps >= 1e-8 that stays below 1e-10
+over a few steps (measured in this project's suite), so 1e-7 keeps three orders of magnitude of margin on both
+sides: every cause named above diverges by 1e-3 or more. mixed_precision=True (step check): the model in
+float32 under CPU bf16 autocast, only the first step's gradients, each within 10% by norm (bf16 keeps 3
+significant digits: 1% per tensor is ordinary between 1 and N processes; every bug named here is 25% or more).
+
+Worker pools are started once per world size and reused by every call in this Python process (the first call
+takes a few seconds), stopped at exit; a rank that hangs fails the call after TIMEOUT_S seconds.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import inspect
 import multiprocessing.connection
@@ -36,25 +58,27 @@ import pickle
 import tempfile
 import time
 import traceback
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 from torch.utils.data.dataloader import default_collate
 
 import distributed
 
-__all__ = ["assert_ddp_equivalent", "assert_step_equivalent", "check_equivalence", "worker_pools", "WorkerPools",
-           "PoolError", "TIMEOUT_S"]
+__all__ = ["assert_ddp_equivalent", "assert_step_equivalent", "worker_pools", "WorkerPools", "PoolError",
+           "TIMEOUT_S"]
 
 TIMEOUT_S = 60.0            # a call that takes longer on some rank is a hang: its pool is restarted
 _GROUP_TIMEOUT_S = 30.0     # a collective stuck this long fails inside the ranks too
 _RTOL = 1e-7
+_MIXED_RTOL = 0.1           # mixed_precision: each first-step gradient's error norm within 10% of its norm
+_SCALE = 2.0 ** 10          # the second loss scale: a power of two, exact in float64
 _TRACEBACK_LINES = 8        # of the first failed rank's, in a report; the whole text goes to a file
 
 
@@ -62,56 +86,30 @@ def assert_ddp_equivalent(make_model: Callable[[], nn.Module], make_data: Callab
                           loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
                           make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
                           world_sizes: tuple[int, ...] = (2, 3), steps: int = 3, batch_size: int = 4,
-                          seed: int = 0, disable_dropout: bool = False, **ddp_options: Any) -> None:
-    """Raise AssertionError if DDP training of ``make_model()`` differs from 1-process training.
+                          accum: int | Callable[[], int] = 1, seed: int = 0, disable_dropout: bool = False,
+                          after_ddp: Callable[[DDP], Any] | None = None, rtol: float = _RTOL,
+                          **ddp_options: Any) -> None:
+    """Raise AssertionError, naming the likely cause, if DDP training of ``make_model()`` differs from 1 process.
 
-    make_model(): an nn.Module, built after torch.manual_seed(seed) in the reference and every rank.
-    make_data(): a map-style Dataset whose items (tensors, or tuples, lists or dicts of them) the
-    default collate can batch. loss_fn(model, batch): the scalar loss of a batch (floating-point
-    tensors in float64), as your training code computes it. make_optimizer(params): an optimizer
-    (default: SGD, lr 0.1). All four must be top-level functions of an importable module.
-    disable_dropout=True: every dropout probability set to 0 for the check (nn.Dropout and its
-    variants, nn.MultiheadAttention's), since random masks cannot match one process's. Dropout
-    itself is then unchecked, and so is a probability kept as a plain number and passed to a
-    function (F.dropout, scaled_dot_product_attention's dropout_p): set that to 0 in make_model.
-    ddp_options: passed to every rank's DDP(...), as in your training code (find_unused_parameters=True,
-    forward_sync_buffers=False, gradient_as_bucket_view=True, static_graph=True, ...; torch 2.13 deprecates
-    broadcast_buffers, and static_graph fails with no_sync accumulation: pytorch/pytorch#143580).
+    make_model(): an nn.Module, built after torch.manual_seed(seed) in every run. make_data(): a map-style
+    Dataset whose items (tensors, or tuples, lists or dicts of them) the default collate can batch.
+    loss_fn(model, batch): the batch's mean loss (floating-point tensors in float64), as your training code
+    computes it. make_optimizer(params): an optimizer (default: SGD, lr 0.1). All must be top-level functions of
+    an importable module (functools.partial of one works too). accum: micro-batches per step (the standard step
+    divides each loss by their number; a function as assert_step_equivalent takes). disable_dropout=True: every
+    dropout probability set to 0 for the check (nn.Dropout and its variants, nn.MultiheadAttention's), since
+    random masks cannot match one process's; dropout itself is then unchecked, and so is a probability kept as
+    a plain number and passed to a function (F.dropout, scaled_dot_product_attention's dropout_p). after_ddp(ddp):
+    run on every rank right after DDP(...), as your script does (a comm hook: shared_memory_allreduce, or one of
+    torch's; the check records through it); with a lossy hook, raise ``rtol``. ddp_options: passed to every
+    rank's DDP(...), as in your training code (find_unused_parameters=True, gradient_as_bucket_view=True,
+    static_graph=True, ...; static_graph fails with no_sync accumulation: pytorch/pytorch#143580).
     """
-    check_equivalence(make_model, make_data, loss_fn, make_optimizer or _sgd, world_sizes=world_sizes,
-                      steps=steps, batch_size=batch_size, seed=seed, disable_dropout=disable_dropout,
-                      ddp_options=ddp_options)
-
-
-def check_equivalence(make_model: Callable, make_data: Callable, loss_fn: Callable, make_optimizer: Callable,
-                      *, world_sizes: tuple[int, ...], steps: int, batch_size: int, seed: int, accum: int = 1,
-                      epoch: int = 0, shuffle: bool = True, after_ddp: Callable | None = None,
-                      rtol: float = _RTOL, disable_dropout: bool = False,
-                      ddp_options: dict | None = None) -> dict[int, list[dict]]:
-    """assert_ddp_equivalent's engine, with the knobs this project's own tests vary: ``accum``
-    micro-batches per step (all but the last under no_sync), the sampler's ``epoch`` and
-    ``shuffle``, ``after_ddp(ddp_model)`` run on every rank after wrapping (a comm hook), and the
-    tolerance. Returns every world size's per-rank records."""
-    spec = {"make_model": make_model, "make_data": make_data, "loss_fn": loss_fn,
-            "make_optimizer": make_optimizer, "steps": steps, "batch": batch_size, "seed": seed,
-            "accum": accum, "epoch": epoch, "shuffle": shuffle, "after_ddp": after_ddp,
-            "disable_dropout": disable_dropout, "ddp_options": dict(ddp_options or {})}
-    model = _check_inputs(spec, world_sizes)
-    suspects = _suspects(model) + _data_suspects(spec["make_data"])
-    records = {}
-    for world in world_sizes:
-        reference = _train_reference(spec, world)
-        try:
-            records[world] = worker_pools().run(world, _train_rank, spec)
-        except PoolError as e:
-            raise AssertionError(_rank_failure(world, e, suspects)) from None
-        _compare(world, records[world], reference, suspects, rtol)
-    return records
-
-
-# ------------------------------ Your whole step: accumulation, scaling, clipping -------------
-_SCALE = 2.0 ** 10        # the second loss scale: a power of two, exact in float64
-_MIXED_RTOL = 0.1         # bf16 smoke test: each gradient's error norm within 10% of its norm (see below)
+    _check_importable("loss_fn", loss_fn)
+    spec = _Spec(make_model, make_data, functools.partial(_standard_step, loss_fn), make_optimizer or _sgd,
+                 steps, batch_size, seed, disable_dropout, tuple(sorted(ddp_options.items())), after_ddp, rtol,
+                 own_step=False)
+    _check("assert_ddp_equivalent", spec, world_sizes, accum)
 
 
 def assert_step_equivalent(make_model: Callable[[], nn.Module], make_data: Callable[[], Any],
@@ -119,6 +117,7 @@ def assert_step_equivalent(make_model: Callable[[], nn.Module], make_data: Calla
                            make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
                            world_sizes: tuple[int, ...] = (2, 3), accum: int | Callable[[], int] = 2,
                            batch_size: int = 2, steps: int = 3, seed: int = 0, disable_dropout: bool = False,
+                           after_ddp: Callable[[DDP], Any] | None = None, rtol: float = _RTOL,
                            mixed_precision: bool = False, compile_model: str | None = None,
                            accept_sync_every_micro_step: bool = False, **ddp_options: Any) -> None:
     """Raise AssertionError, naming the likely cause, when ``train_step`` trains differently under DDP than in one
@@ -127,55 +126,474 @@ def assert_step_equivalent(make_model: Callable[[], nn.Module], make_data: Calla
     train_step(model, optimizer, scaler, micro_batches, step): one optimizer step copied from your loop. ``model``
     is the DDP-wrapped model, ``micro_batches`` a list of ``accum`` batches of ``batch_size`` samples for this
     rank (collated as assert_ddp_equivalent does), ``scaler`` a torch.amp.GradScaler the step must use if it
-    scales the loss (the check chooses its scale), ``step`` the step index (for your LR schedule). What
-    assert_ddp_equivalent says of top-level callables, float64 and the tolerance holds here too.
-
-    Four runs per world size W localise a difference: W ranks through DDP; one process with the same
-    micro-batch structure (each micro-batch the union of the ranks'); the same at a second loss scale; one
-    process on the whole batch at once. A hook on DDP's all-reduce records which micro-step synchronised and
-    the gradients it averaged (before any clipping), and every parameter's gradient hook which got none.
-    accum: an int, or a zero-argument function computing it as your script does: it is evaluated for each
-    world size with WORLD_SIZE set and one process per node (LOCAL_WORLD_SIZE=1, no GPU), and must keep the
-    global batch (batch_size x accum x W) the same. mixed_precision=True: a smoke test of the model in float32
-    under torch.autocast("cpu", dtype=torch.bfloat16), comparing only the first step's gradients, each
-    tensor's error norm within 10% of its norm (bf16 rounds to 3 significant digits: 1% per tensor is ordinary
-    between 1 and N processes, and every bug named here is 25% or more). compile_model: "before_ddp" or
-    "after_ddp": torch.compile (backend "eager") where your script calls it. accept_sync_every_micro_step=True:
-    a step whose every micro-step all-reduces (right values, accum x the traffic) passes. ddp_options: to DDP.
+    scales the loss (the check chooses its scale), ``step`` the step index (for your LR schedule). Leave devices
+    and autocast to the check: its ranks are CPU processes. The other arguments are assert_ddp_equivalent's.
+    accum: an int, or a zero-argument function computing it as your script does: it is evaluated for each world
+    size with WORLD_SIZE set and one process per node (LOCAL_WORLD_SIZE=1, no GPU), and must keep the global
+    batch (batch_size x accum x W) the same. mixed_precision=True: a smoke test of the model in float32 under
+    torch.autocast("cpu", dtype=torch.bfloat16) (the module docstring says what it compares). compile_model:
+    "before_ddp" or "after_ddp": torch.compile (backend "eager") where your script calls it.
+    accept_sync_every_micro_step=True: a step whose every micro-step all-reduces (right values, accum x the
+    traffic) passes.
     """
-    spec = {"make_model": make_model, "make_data": make_data, "loss_fn": None, "train_step": train_step,
-            "make_optimizer": make_optimizer or _sgd, "steps": steps, "batch": batch_size, "seed": seed,
-            "accum": 1, "epoch": 0, "shuffle": True, "after_ddp": None, "disable_dropout": disable_dropout,
-            "ddp_options": dict(ddp_options), "mixed_precision": mixed_precision, "compile_model": compile_model}
     if compile_model not in (None, "before_ddp", "after_ddp"):
         raise ValueError(f"compile_model must be None, 'before_ddp' or 'after_ddp', got: {compile_model!r}")
-    counts = {world: _accum_for(accum, world, batch_size) for world in world_sizes}
+    spec = _Spec(make_model, make_data, train_step, make_optimizer or _sgd, steps, batch_size, seed,
+                 disable_dropout, tuple(sorted(ddp_options.items())), after_ddp, rtol, own_step=True,
+                 mixed_precision=mixed_precision, compile_model=compile_model,
+                 accept_sync_every_micro_step=accept_sync_every_micro_step)
+    _check("assert_step_equivalent", spec, world_sizes, accum)
+
+
+# ------------------------------ The engine: one spec, four runs per world size, one diagnosis --------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """What every run of one check trains; sent to the ranks as it is (every callable a top-level one)."""
+    make_model: Callable[[], nn.Module]
+    make_data: Callable[[], Any]
+    train_step: Callable[..., Any]
+    make_optimizer: Callable[[Any], torch.optim.Optimizer]
+    steps: int
+    batch_size: int
+    seed: int
+    disable_dropout: bool
+    ddp_options: tuple[tuple[str, Any], ...]
+    after_ddp: Callable[[DDP], Any] | None
+    rtol: float
+    own_step: bool                      # the user's train_step: also run at a second loss scale
+    mixed_precision: bool = False
+    compile_model: str | None = None
+    accept_sync_every_micro_step: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One of a world size's runs: ``ranks`` processes (the world size for ddp, else 1)."""
+    spec: _Spec
+    world: int
+    ranks: int
+    accum: int
+    scale: float = 1.0
+    whole: bool = False                 # each step's samples in one batch
+
+
+def _check(front: str, spec: _Spec, world_sizes: tuple[int, ...], accum: int | Callable[[], int]) -> None:
+    accums = _accums(accum, world_sizes, spec.batch_size)
+    model = _check_inputs(front, spec, world_sizes, accums)
+    try:
+        distributed.check_repeatable(spec.make_data())  # cause 1: no run could agree
+    except ValueError as e:
+        raise AssertionError(f"DDP cannot train as 1 process does: {e}") from None
+    suspects = _suspects(model)
+    for world in world_sizes:
+        count = accums[world]
+        plan = {"ddp": _Run(spec, world, world, count), "micro": _Run(spec, world, 1, count)}
+        if spec.own_step and not spec.mixed_precision:
+            plan["scaled"] = _Run(spec, world, 1, count, scale=_SCALE)
+        if count > 1:
+            plan["whole"] = _Run(spec, world, 1, count, whole=True)
+        runs = {}
+        for name, run in plan.items():
+            try:
+                runs[name] = worker_pools().run(run.ranks, _train, run)
+            except PoolError as e:
+                raise AssertionError(_pool_failure(_head(world, count), e, suspects)) from None
+        problem = _diagnose(spec, world, count, runs, suspects)
+        if problem:
+            raise AssertionError(problem)
+
+
+def _standard_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                   micro_batches: list, step: int) -> None:
+    """assert_ddp_equivalent's step: every micro-batch's loss over their number, forward and backward of all but
+    the last under no_sync() (no all-reduce), then the optimizer."""
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            (loss_fn(model, batch) / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+# ------------------------------ On the ranks: one function for every run -----------------------------
+
+
+def _train(run: _Run) -> dict:
+    """The step through DDP on this run's micro-batches, recording which micro-steps all-reduced, the averaged
+    gradients, the parameters and buffers after each step, and the parameters that got no gradient. An
+    exception in the step is recorded with the step it ended."""
+    spec = run.spec
+    model = _model(spec)
+    if spec.mixed_precision:
+        model = model.float()
+    inner = model
+    if spec.compile_model == "before_ddp":
+        inner = torch.compile(model, backend="eager")
+    ddp = DDP(inner, **dict(spec.ddp_options))
+    names = {p: name for name, p in model.named_parameters()}
+    now: dict[str, Any] = {"forwards": 0}
+    _record_allreduces(ddp, spec.after_ddp, names, now)
+    wrapped = ddp
+    if spec.compile_model == "after_ddp":
+        wrapped = torch.compile(ddp, backend="eager")
+    model.register_forward_pre_hook(lambda *_: now.update(forwards=now["forwards"] + 1))
+    for p in names:
+        p.register_post_accumulate_grad_hook(lambda p: now["got"].add(names[p]))
+    data = spec.make_data()
+    optimizer = spec.make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=run.scale, growth_interval=2 ** 30)
+    autocast = contextlib.nullcontext()
+    if spec.mixed_precision:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    record: dict[str, Any] = {"syncs": [], "grads": [], "states": [], "unused": [], "error": None}
+    for step, micro in enumerate(_micro_batches(run, data)):
+        batches = [default_collate([data[i] for i in indices]) for indices in micro]
+        if not spec.mixed_precision:
+            batches = [_float64(batch) for batch in batches]
+        now.update(forwards=0, grads={}, got=set(), syncs=set(), scale=scaler.get_scale())
+        try:
+            with autocast:
+                spec.train_step(wrapped, optimizer, scaler, batches, step)
+        except Exception:
+            record["error"] = traceback.format_exc()
+            break
+        record["syncs"].append(sorted(now["syncs"]))
+        record["grads"].append(now["grads"])
+        record["states"].append(_state(model))
+        record["unused"].append(sorted(set(names.values()) - now["got"]))
+    return record
+
+
+def _record_allreduces(ddp: DDP, after_ddp: Callable | None, names: dict, now: dict) -> None:
+    """DDP takes one comm hook: the one after_ddp registers (or DDP's default all-reduce) runs inside a recording
+    one, which notes the micro-step and keeps the averaged gradients, divided by the loss scale."""
+    registered = []
+    if after_ddp is not None:
+        ddp.register_comm_hook = lambda state, hook: registered.append((state, hook))  # shadows the method
+        try:
+            after_ddp(ddp)
+        finally:
+            del ddp.register_comm_hook
+    state, hook = registered[0] if registered else (None, default_hooks.allreduce_hook)
+
+    def recording(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+        now["syncs"].add(now["forwards"])
+
+        def keep(future: Any) -> torch.Tensor:
+            flat, start = future.value(), 0
+            for p in bucket.parameters():
+                now["grads"][names[p]] = flat[start:start + p.numel()].view_as(p).clone() / now["scale"]
+                start += p.numel()
+            return flat
+        return hook(state, bucket).then(keep)
+    ddp.register_comm_hook(state, recording)
+
+
+def _micro_batches(run: _Run, data: Any) -> list[list[list[int]]]:
+    """Per step, the micro-batches' sample indices. The DDP ranks draw through distributed.data_sampler; one
+    process takes each rank's shard from torch's DistributedSampler, micro-batch m the union of the ranks' m-th
+    (``whole``: a step's samples in one batch)."""
+    spec, size, accum = run.spec, run.spec.batch_size, run.accum
+    if run.ranks > 1 or run.world == 1:
+        sampler = distributed.data_sampler(data, True, True, seed=spec.seed)
+        sampler.set_epoch(0)
+        shards = [list(sampler)]
+    else:
+        if hasattr(data, "set_epoch"):  # seeded_dataset's: the ranks' data_sampler sets it too
+            data.set_epoch(0)
+        shards = [_shard(data, run.world, rank, spec.seed) for rank in range(run.world)]
+    steps = []
+    for step in range(spec.steps):
+        micro = [[i for shard in shards for i in shard[(step * accum + m) * size:(step * accum + m + 1) * size]]
+                 for m in range(accum)]
+        steps.append([sum(micro, [])] if run.whole else micro)
+    return steps
+
+
+def _shard(data: Any, world: int, rank: int, seed: int) -> list[int]:
+    """Rank ``rank``'s indices in order, as torch's DistributedSampler gives them (no group needed)."""
+    sampler = DistributedSampler(data, world, rank, shuffle=True, seed=seed)
+    sampler.set_epoch(0)
+    return list(sampler)
+
+
+def _model(spec: _Spec) -> nn.Module:
+    torch.manual_seed(spec.seed)
+    model = spec.make_model().double()
+    if spec.disable_dropout:
+        return _without_dropout(model)
+    return model
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
+
+
+def _float64(batch: Any) -> Any:
+    """The batch with its floating-point tensors in float64 (tuples, lists and dicts recursively)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _float64(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_float64(v) for v in batch)
+    return batch
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: t.detach().clone() for name, t in named}
+
+
+# ------------------------------ The diagnosis: one ordered list of causes ----------------------------
+
+
+def _diagnose(spec: _Spec, world: int, accum: int, runs: dict, suspects: list[str]) -> str | None:
+    """The first difference among the runs, in the module docstring's order (1 is checked before any run),
+    with the causes it points to; None when they agree."""
+    head = _head(world, accum)
+    ddp, micro = runs["ddp"], runs["micro"][0]
+    labelled = [*((f"rank {rank}", record) for rank, record in enumerate(ddp)), ("one process", micro)]
+    failed = {where: record for where, record in labelled if record["error"]}
+    if failed:  # 2
+        return _step_failure(head, accum, failed, suspects)
+    for step, syncs in enumerate(ddp[0]["syncs"], 1):  # 3
+        every = list(range(1, accum + 1))
+        if syncs == every and accum > 1 and not spec.accept_sync_every_micro_step:
+            return (f"{head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: the values "
+                    f"are right but it costs {accum}x the traffic\n" + _cause(
+                        "no_sync() around the backward only: DDP decides at the forward whether a backward "
+                        "all-reduces, so put the forward inside no_sync() too (or pass "
+                        "accept_sync_every_micro_step=True)"))
+        if syncs != [accum] and syncs != every:
+            return (f"{head}: at step {step} DDP all-reduced at micro-step(s) {syncs or 'none'} of {accum}, not "
+                    "at the last\n" + _cause(
+                        "the sync flag decided after the forward (require_backward_grad_sync set between forward "
+                        "and backward): DDP decides at the forward, so set it before the forward of each "
+                        "micro-step (True on the last), or run the other micro-steps' forward and backward "
+                        "inside no_sync()"))
+    if "scaled" in runs:  # 4
+        scaled = runs["scaled"][0]
+        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"], strict=True), 1):
+            name = next((n for n in a if not torch.equal(a[n], b[n])), None)
+            if name is not None:
+                return _divergence(f"{head}, step {step}, `{name}` after the optimizer step", b[name], a[name],
+                                   f"one process trains differently at loss scale {_SCALE:g} than at 1; in "
+                                   "float64 a power-of-two scale is exact", [
+                                       "gradients used before scaler.unscale_(optimizer): clipping "
+                                       "(clip_grad_norm_), a norm or a check on scaled gradients; call "
+                                       "scaler.unscale_(optimizer) before clipping"])
+    if "whole" in runs:  # 5
+        whole = runs["whole"][0]
+        for step, what, (got, expected) in _tensors(spec, [micro, whole]):
+            if not _close(got, expected, spec):
+                causes = []
+                factor = _factor(micro["grads"][0], whole["grads"][0])
+                if factor is not None and abs(factor / accum - 1) < 0.05:
+                    causes.append(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
+                                  f"micro-batch's loss by their number ({accum}) before backward")
+                if factor is not None and abs(factor * accum - 1) < 0.05:
+                    causes.append(f"the gradients are about 1/{accum} (the micro-batches) of one batch's: the loss "
+                                  "must be the batch mean. A summed loss grows with the batch, so each of "
+                                  f"{accum} micro-batches of a sum, divided by {accum}, gives 1/{accum}")
+                return _divergence(f"{head}, step {step}, {what}", expected, got, f"one process with {accum} "
+                                   "micro-batches differs from one batch of them all", causes + suspects)
+    for step, what, (first, *others, expected) in _tensors(spec, [*ddp, micro]):  # 6, then 7, tensor by tensor
+        for rank, other in enumerate(others, 1):
+            if not _equal(other, first):
+                return _divergence(f"{head}, step {step}, {what}", first, other, f"rank {rank} differs from rank 0",
+                                   [*suspects, "replicas that differ from each other: DDP keeps parameters equal by "
+                                    "averaging gradients and broadcasts rank 0's buffers only at the start of each "
+                                    "forward, so a buffer or parameter changed from a rank's own data (or "
+                                    "rank-dependent code) drifts apart"])
+        if not _close(first, expected, spec):
+            causes = []
+            factor = _factor(ddp[0]["grads"][0], micro["grads"][0])
+            if world > 1 and factor is not None and abs(factor * world - 1) < 0.05:
+                causes.append(f"the gradients are about 1/{world} (the world size) of one process's: DDP averages "
+                              "gradients over ranks, so the loss must be the batch mean. A summed loss, or a sum "
+                              "divided by a per-rank count, gives 1/world")
+            if world > 1 and factor is not None and abs(factor / world - 1) < 0.05:
+                causes.append(f"the gradients are about {world}x (the world size) one process's: DDP already "
+                              "averages over ranks; do not multiply the loss by the world size")
+            return _divergence(f"{head}, step {step}, {what}", expected, first, "rank 0 differs from one process",
+                               causes + suspects)
+    return None
+
+
+def _head(world: int, accum: int) -> str:
+    if accum > 1:
+        return f"DDP diverges from 1-process training: world size {world}, accum {accum}"
+    return f"DDP diverges from 1-process training: world size {world}"
+
+
+def _tensors(spec: _Spec, records: list[dict]) -> list[tuple[int, str, list]]:
+    """What is compared, in order, with each record's value: (step, what, values). The first step's averaged
+    gradients, then every step's parameters and buffers, in the model's order (mixed precision: the gradients
+    only). A gradient that a run never all-reduced is None."""
+    order = list(records[-1]["states"][0])
+    grads = [name for name in order if any(name in r["grads"][0] for r in records)]
+    found = [(1, f"the gradient of `{name}`", [r["grads"][0].get(name) for r in records]) for name in grads]
+    if spec.mixed_precision:
+        return found
+    for step in range(len(records[-1]["states"])):
+        found += [(step + 1, f"`{name}` after the optimizer step", [r["states"][step][name] for r in records])
+                  for name in order]
+    return found
+
+
+def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(torch.equal(a, b))
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None, spec: _Spec) -> bool:
+    if a is None or b is None:
+        return a is b
+    if spec.mixed_precision:
+        return bool((a.float() - b.float()).norm() <= _MIXED_RTOL * b.float().norm() + 1e-12)
+    return bool(torch.allclose(a, b, rtol=spec.rtol, atol=spec.rtol * max(1.0, b.abs().max())))
+
+
+def _factor(got: dict, expected: dict) -> float | None:
+    """The factor c that best fits got = c x expected over every gradient (None when they are zero)."""
+    names = [n for n in expected if n in got]
+    if not names:
+        return None
+    a = torch.cat([got[n].flatten().double() for n in names])
+    b = torch.cat([expected[n].flatten().double() for n in names])
+    norm = (b * b).sum().item()
+    return (a * b).sum().item() / norm if norm > 0 else None
+
+
+def _divergence(where: str, expected: torch.Tensor | None, got: torch.Tensor | None, how: str,
+                causes: list[str]) -> str:
+    lines = [f"{where} ({how})"]
+    if expected is None or got is None:
+        lines.append("  only one side has this gradient: a parameter that one of them never used")
+    else:
+        error = (got.double() - expected.double()).abs()
+        relative = torch.where(expected != 0, error / expected.double().abs(), 0.0)  # where one process has 0: none
+        lines.append(f"  largest absolute error {error.max().item():.3g}, largest relative error "
+                     f"{relative.max().item():.3g}")
+    return "\n".join(lines + [_cause(c) for c in causes])
+
+
+def _cause(text: str) -> str:
+    return f"  likely cause: {text}"
+
+
+def _suspects(model: nn.Module) -> list[str]:
+    """What in the model is known to make DDP differ from one process: one cause each, naming modules."""
+    batchnorms, dropouts = [], []
+    for name, module in model.named_modules():
+        where = f"`{name or '(the model)'}` ({type(module).__name__}"
+        synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "synchronized", False)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
+            batchnorms.append(where + ")")
+        p = 0.0
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            p = module.p
+        elif isinstance(module, nn.MultiheadAttention):
+            p = module.dropout
+        if p > 0:
+            dropouts.append(f"{where}, p={p})")
+    found = []
+    if batchnorms:
+        found.append(f"BatchNorm in {_first_few(batchnorms)} normalizes each rank's batch with that rank's "
+                     "own statistics: convert the model with distributed.sync_batchnorm(model) before DDP (torch's "
+                     "SyncBatchNorm on GPUs, an exact version on CPU processes), or use GroupNorm/LayerNorm")
+    if dropouts:
+        found.append(f"Dropout in {_first_few(dropouts)}: random masks cannot match one process's; pass "
+                     "disable_dropout=True to check the rest of the model (dropout itself is then unchecked)")
+    return found
+
+
+def _first_few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _step_failure(head: str, accum: int, failed: dict[str, dict], suspects: list[str]) -> str:
+    """Cause 2: where the step raised first, the parameters that got no gradient in the step before (DDP's
+    own error comes a step later, in indices), then that run's traceback, trimmed; every run's in a file."""
+    where, record = next(iter(failed.items()))
+    step = len(record["syncs"]) + 1  # the step that raised, from 1
+    causes = []
+    unused = record["unused"][-1] if record["unused"] else []
+    if unused:
+        if accum > 1:
+            fits = "not static_graph=True: with no_sync accumulation it fails, pytorch/pytorch#143580"
+        elif all(u == unused for u in record["unused"]):
+            fits = "static_graph=True fits too: the same set is unused at every step"
+        else:
+            fits = "not static_graph=True: the set unused changes from step to step"
+        causes.append(f"{_first_few([f'`{n}`' for n in unused])} got no gradient at step {step - 1} on {where} "
+                      f"(DDP waits for every parameter): pass find_unused_parameters=True to the check and to DDP "
+                      f"in your script ({fits}), or make them take part")
+    return _failure(f"{head}: step {step} raised on {where}", {w: r["error"] for w, r in failed.items()},
+                    causes + suspects)
+
+
+def _pool_failure(head: str, error: PoolError, suspects: list[str]) -> str:
+    """A run that failed outside the step (building the model, DDP, the data) or hung."""
+    if not error.tracebacks:  # a hang: the message names the ranks and the timeout
+        return f"{head}: {error}"
+    failed = {f"rank {rank}": text for rank, text in sorted(error.tracebacks.items())}
+    return _failure(f"{head}: ranks {sorted(error.tracebacks)} failed", failed, suspects)
+
+
+def _failure(first_line: str, tracebacks: dict[str, str], causes: list[str]) -> str:
+    with tempfile.NamedTemporaryFile("w", prefix="ddp_check-", suffix=".log", delete=False) as f:
+        f.write("\n".join(f"--- {where}:\n{text}" for where, text in tracebacks.items()))
+    where, text = next(iter(tracebacks.items()))
+    errors = [line for line in text.rstrip().splitlines() if "Error" in line]
+    tail = [line[:200] for line in text.rstrip().splitlines()[-_TRACEBACK_LINES:]]
+    lines = [first_line, *(_cause(c) for c in causes), (errors or tail)[-1][:300],
+             f"{where}'s traceback, last lines:", *(f"  {line}" for line in tail),
+             f"every failed run's whole traceback: {f.name}"]
+    return "\n".join(lines) + _devices_hint("\n".join(tracebacks.values()))
+
+
+def _devices_hint(error: str) -> str:
+    """What to do when a rank's error says it looked for a GPU: the check's ranks are CPU processes."""
+    if "No CUDA GPUs are available" not in error and "not compiled with CUDA" not in error:
+        return ""
+    return ("\nThe check's ranks are CPU processes: leave devices and autocast to it. Write the step without "
+            ".cuda(), .to('cuda') or autocast('cuda'): the check's model and batches are on the CPU, and its "
+            "mixed_precision= runs the step under CPU autocast.")
+
+
+# ------------------------------ Bad input: before any process starts ---------------------------------
+
+
+def _accums(accum: int | Callable[[], int], world_sizes: tuple[int, ...], batch_size: int) -> dict[int, int]:
+    """The accumulation count at each world size; a formula must keep the global batch."""
+    if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
+        raise ValueError(f"world_sizes must be integers >= 1, got: {world_sizes!r}")
+    counts = {world: _accum_for(accum, world) for world in world_sizes}
     global_batches = {world: count * world * batch_size for world, count in counts.items()}
     if callable(accum) and len(set(global_batches.values())) > 1:
         raise AssertionError(f"the accumulation formula changes the global batch (batch_size x accum x world size) "
                              f"with the world size: {global_batches}; likely cause: it divides by a count of one "
                              "node's GPUs (torch.cuda.device_count(), LOCAL_WORLD_SIZE; here 1 process per node) "
                              "instead of the world size (WORLD_SIZE, dist.get_world_size())")
-    spec["accum"] = max(counts.values())  # _check_inputs: enough samples for the largest
-    model = _check_inputs(spec, world_sizes)
-    data_causes = _data_suspects(make_data)  # reads the data: once, not at every world size
-    suspects = _suspects(model) + data_causes
-    for world in world_sizes:
-        spec["accum"] = counts[world]
-        runs = {}
-        for name, ranks, scale, whole in (("ddp", world, 1.0, False), ("micro", 1, 1.0, False),
-                                          ("scaled", 1, _SCALE, False), ("whole", 1, 1.0, True)):
-            plan = _step_plan(spec, world, ranks, whole)
-            try:
-                runs[name] = worker_pools().run(ranks, _step_rank, {**spec, "plan": plan, "scale": scale})
-            except PoolError as e:
-                raise AssertionError(_rank_failure(world, e, suspects)) from None
-        problem = _step_problem(world, runs, spec, suspects, data_causes, accept_sync_every_micro_step)
-        if problem:
-            raise AssertionError(problem)
+    return counts
 
 
-def _accum_for(accum: int | Callable[[], int], world: int, batch_size: int) -> int:
+def _accum_for(accum: int | Callable[[], int], world: int) -> int:
     """The accumulation count at ``world``: an int, or the user's formula evaluated as on ``world`` nodes of one
     process each (where torch.cuda.device_count() and LOCAL_WORLD_SIZE count one node's GPUs, not the world)."""
     if not callable(accum):
@@ -203,431 +621,34 @@ def _accum_for(accum: int | Callable[[], int], world: int, batch_size: int) -> i
     return count
 
 
-def _step_plan(spec: dict, world: int, ranks: int, whole: bool) -> list:
-    """Each rank's micro-batches' indices, per step: the W ranks' own shards; one process's micro-batch m the
-    union of the ranks' m-th (``whole``: all of a step's in one batch)."""
-    data = spec["make_data"]()
-    shards = [_shard(data, world, rank, spec) for rank in range(world)]
-    size, accum = spec["batch"], spec["accum"]
-    plan = []
-    for rank in range(ranks):
-        steps = []
-        for step in range(spec["steps"]):
-            micro = [[shards[r][(step * accum + m) * size + i] for r in range(world) if ranks == 1 or r == rank
-                      for i in range(size)] for m in range(accum)]
-            steps.append([sum(micro, [])] if whole else micro)
-        plan.append(steps)
-    return plan
-
-
-def _step_rank(spec: dict) -> dict:
-    """On every rank of a pool: the user's step through DDP on the plan's micro-batches, recording which
-    micro-steps all-reduced, the averaged gradients, the parameters after each step, and unused parameters."""
-    rank = distributed.get_rank()
-    model = _model(spec)
-    if spec["mixed_precision"]:
-        model = model.float()
-    inner = torch.compile(model, backend="eager") if spec["compile_model"] == "before_ddp" else model
-    ddp = DDP(inner, **spec["ddp_options"])
-    wrapped = torch.compile(ddp, backend="eager") if spec["compile_model"] == "after_ddp" else ddp
-    names = {p: name for name, p in model.named_parameters()}
-    now = {"forwards": 0, "grads": {}, "got": set()}
-    record: dict[str, Any] = {"syncs": [], "grads": [], "states": [], "unused": [], "error": None}
-    model.register_forward_pre_hook(lambda *_: now.update(forwards=now["forwards"] + 1))
-    for p in names:
-        p.register_post_accumulate_grad_hook(lambda p: now["got"].add(names[p]))
-
-    def recording_allreduce(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
-        now["syncs"].add(now["forwards"])
-
-        def keep(future: Any) -> torch.Tensor:
-            flat, start = future.value(), 0
-            for p in bucket.parameters():
-                now["grads"][names[p]] = flat[start:start + p.numel()].view_as(p).clone() / now["scale"]
-                start += p.numel()
-            return flat
-        return default_hooks.allreduce_hook(None, bucket).then(keep)
-    ddp.register_comm_hook(None, recording_allreduce)
-    data = spec["make_data"]()
-    optimizer = spec["make_optimizer"](model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=spec["scale"], growth_interval=2 ** 30)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if spec["mixed_precision"] else contextlib.nullcontext()
-    for step, micro in enumerate(spec["plan"][rank]):
-        batches = [default_collate([data[i] for i in indices]) for indices in micro]
-        if not spec["mixed_precision"]:
-            batches = [_float64(batch) for batch in batches]
-        now.update(forwards=0, grads={}, got=set(), syncs=set(), scale=scaler.get_scale())
-        try:
-            with autocast:
-                spec["train_step"](wrapped, optimizer, scaler, batches, step)
-        except Exception:
-            record["error"] = traceback.format_exc()
-            break
-        record["syncs"].append(sorted(now["syncs"]))
-        record["grads"].append(now["grads"])
-        record["states"].append(_state(model))
-        record["unused"].append(sorted(set(names.values()) - now["got"]))
-    return record
-
-
-def _devices_hint(error: str) -> str:
-    """What to do when a rank's error says it looked for a GPU: the check's ranks are CPU processes."""
-    if "No CUDA GPUs are available" not in error and "not compiled with CUDA" not in error:
-        return ""
-    return ("\nThe check's ranks are CPU processes: leave devices and autocast to it. Write the step without "
-            ".cuda(), .to('cuda') or autocast('cuda'): the check's model and batches are on the CPU, and its "
-            "mixed_precision= runs the step under CPU autocast.")
-
-
-def _step_problem(world: int, runs: dict, spec: dict, suspects: list[str], data_causes: list[str],
-                  accept_every: bool) -> str | None:
-    """The first difference among the four runs, with the cause it points to; None when they agree."""
-    ddp, micro, scaled, whole = runs["ddp"], runs["micro"][0], runs["scaled"][0], runs["whole"][0]
-    accum = spec["accum"]
-    head = f"the step trains differently under DDP: world size {world}, accum {accum}, batch_size {spec['batch']}"
-    failed = [(rank, r) for rank, r in enumerate([*ddp, micro]) if r["error"]]
-    if failed:
-        rank, record = failed[0]
-        step = len(record["syncs"]) + 1  # the step that raised, from 1
-        where = f"rank {rank}" if rank < len(ddp) else "one process"
-        lines = [f"{head}: step {step} raised on {where}"]
-        unused = record["unused"][-1] if record["unused"] else []
-        if unused:
-            if accum > 1:
-                safe = "not static_graph=True: with no_sync accumulation it fails, pytorch/pytorch#143580"
-            elif all(u == unused for u in record["unused"]):
-                safe = "static_graph=True fits too: the same set is unused at every step"
-            else:
-                safe = "not static_graph=True: the set unused changes from step to step"
-            lines.append(_cause(f"{_first_few([f'`{n}`' for n in unused])} got no gradient at step {step - 1} on "
-                                f"{where} (DDP waits for every parameter): pass find_unused_parameters=True ({safe}), "
-                                "or make them take part"))
-        errors = [line for line in record["error"].rstrip().splitlines() if "Error" in line]
-        lines.append((errors or record["error"].rstrip().splitlines())[-1][:300])
-        return "\n".join(lines) + _devices_hint(record["error"])
-    for step, syncs in enumerate(ddp[0]["syncs"], 1):
-        if syncs == list(range(1, accum + 1)) and accum > 1 and not accept_every:
-            return (f"{head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: the values "
-                    f"are right but it costs {accum}x the traffic\n" + _cause(
-                        "no_sync() around the backward only: DDP decides at the forward whether a backward "
-                        "all-reduces, so put the forward inside no_sync() too (or pass "
-                        "accept_sync_every_micro_step=True)"))
-        if syncs != [accum] and syncs != list(range(1, accum + 1)):
-            return (f"{head}: at step {step} DDP all-reduced at micro-step(s) {syncs or 'none'} of {accum}, not "
-                    "at the last\n" + _cause(
-                        "the sync flag decided after the forward (require_backward_grad_sync set between forward "
-                        "and backward): DDP decides at the forward, so set it before the forward of each "
-                        "micro-step (True on the last), or run the other micro-steps' forward and backward "
-                        "inside no_sync()"))
-    if data_causes:  # else blamed on accumulation, as a factor near 1
-        return f"{head}\n" + "\n".join(_cause(c) for c in data_causes)
-    tolerance = _MIXED_RTOL if spec["mixed_precision"] else None
-    if not spec["mixed_precision"]:
-        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"], strict=False), 1):
-            if any(not torch.equal(a[n], b[n]) for n in a):
-                return (f"{head}: at step {step}, one process trains differently at loss scale {_SCALE:g} than at "
-                        "1 (in float64 a power-of-two scale is exact)\n" + _cause(
-                            "gradients used before scaler.unscale_(optimizer): clipping (clip_grad_norm_), a norm "
-                            "or a check on scaled gradients; call scaler.unscale_(optimizer) before clipping"))
-    problem = _compare_steps(micro, whole, tolerance, 1 if tolerance else len(whole["states"]))
-    if problem:
-        factor = _factor(micro["grads"][0], whole["grads"][0])
-        why = [f"one process with {accum} micro-batches differs from one batch of them all: {problem}"]
-        if factor is not None and accum > 1 and abs(factor / accum - 1) < 0.05:
-            why.append(_cause(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
-                              f"micro-batch's loss by their number ({accum}) before backward"))
-        return "\n".join([head, *why, *(_cause(c) for c in suspects)])
-    for step, states in enumerate(zip(*[r["states"] for r in ddp], strict=True), 1):
-        for rank, other in enumerate(states[1:], 1):
-            if any(not torch.equal(other[n], states[0][n]) for n in states[0]):
-                return (f"{head}: after step {step} rank {rank}'s parameters differ from rank 0's\n" +
-                        "\n".join(_cause(c) for c in [*suspects, "a step whose ranks diverge: DDP averages "
-                                                       "gradients only where it all-reduces"]))
-    problem = _compare_steps(ddp[0], micro, tolerance, 1 if tolerance else len(micro["states"]))
-    if problem:
-        return "\n".join([head, f"DDP differs from one process with the same micro-batches: {problem}",
-                          *(_cause(c) for c in suspects)])
-    return None
-
-
-def _compare_steps(got: dict, expected: dict, relative: float | None, steps: int) -> str | None:
-    """The first gradient (step 1) or parameter that differs: within _RTOL, or (``relative``) by norm."""
-    for name, ref in expected["grads"][0].items():
-        value = got["grads"][0].get(name)
-        if value is None or not _close(value, ref, relative):
-            return f"the gradient of `{name}` at step 1"
-    if relative is not None:
-        return None
-    for step in range(steps):
-        for name, ref in expected["states"][step].items():
-            if not _close(got["states"][step][name], ref, None):
-                return f"`{name}` after step {step + 1}"
-    return None
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, relative: float | None) -> bool:
-    if relative is not None:
-        return bool((a.float() - b.float()).norm() <= relative * b.float().norm() + 1e-12)
-    return bool(torch.allclose(a, b, rtol=_RTOL, atol=_RTOL * max(1.0, b.abs().max())))
-
-
-def _factor(got: dict, expected: dict) -> float | None:
-    """The factor c that best fits got = c x expected over every gradient (None when they are zero)."""
-    names = [n for n in expected if n in got]
-    if not names:
-        return None
-    return _scale(torch.cat([got[n].flatten() for n in names]), torch.cat([expected[n].flatten() for n in names]))
-
-
-# ------------------------------ Training: the ranks and the reference ------------------------
-
-
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
-def _train_rank(spec: dict) -> dict:
-    """On every rank: DDP over this rank's shard; the records _compare reads."""
-    model = _model(spec)
-    ddp = DDP(model, **spec["ddp_options"])
-    if spec["after_ddp"] is not None:
-        spec["after_ddp"](ddp)
-    data = spec["make_data"]()
-    sampler = distributed.data_sampler(data, True, spec["shuffle"], seed=spec["seed"])
-    sampler.set_epoch(spec["epoch"])
-    batches = iter(DataLoader(data, batch_size=spec["batch"], sampler=sampler))
-    optimizer = spec["make_optimizer"](model.parameters())
-    record: dict[str, Any] = {"states": []}
-    for step in range(spec["steps"]):
-        for micro in range(spec["accum"]):
-            local = micro < spec["accum"] - 1  # micro-batches before the last stay local: no all-reduce
-            with ddp.no_sync() if local else contextlib.nullcontext():
-                (spec["loss_fn"](ddp, _float64(next(batches))) / spec["accum"]).backward()
-            if step == 0 and micro == 0:
-                record["first_micro_grads"] = _grads(model)
-        _step(model, optimizer, step, record)
-    return record
-
-
-def _train_reference(spec: dict, world: int) -> dict:
-    """One process on the union of the ranks' batches: world x batch x accum samples a step."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every rank: the same kernels
-    try:
-        model = _model(spec)
-        data = spec["make_data"]()
-        if hasattr(data, "set_epoch"):  # distributed.seeded_dataset's: the ranks' data_sampler sets it too
-            data.set_epoch(spec["epoch"])
-        shards = [_shard(data, world, rank, spec) for rank in range(world)]
-        per_step = spec["batch"] * spec["accum"]
-        optimizer = spec["make_optimizer"](model.parameters())
-        record: dict[str, Any] = {"states": []}
-        for step in range(spec["steps"]):
-            indices = [i for shard in shards for i in shard[step * per_step:(step + 1) * per_step]]
-            spec["loss_fn"](model, _float64(default_collate([data[i] for i in indices]))).backward()
-            _step(model, optimizer, step, record)
-        return record
-    finally:
-        torch.set_num_threads(before)
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, record: dict) -> None:
-    """After a step's backward: keep the first step's gradients, step, keep every tensor's state."""
-    if step == 0:
-        record["grads"] = _grads(model)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    record["states"].append(_state(model))
-
-
-def _shard(data: Any, world: int, rank: int, spec: dict) -> list[int]:
-    """Rank ``rank``'s indices in order, as torch's DistributedSampler gives them (no group needed)."""
-    sampler = DistributedSampler(data, world, rank, shuffle=spec["shuffle"], seed=spec["seed"])
-    sampler.set_epoch(spec["epoch"])
-    return list(sampler)
-
-
-def _model(spec: dict) -> nn.Module:
-    torch.manual_seed(spec["seed"])
-    model = spec["make_model"]().double()
-    return _without_dropout(model) if spec["disable_dropout"] else model
-
-
-def _without_dropout(model: nn.Module) -> nn.Module:
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        elif isinstance(module, nn.MultiheadAttention):
-            module.dropout = 0.0
-    return model
-
-
-def _float64(batch: Any) -> Any:
-    """The batch with its floating-point tensors in float64 (tuples, lists and dicts recursively)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.double() if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: _float64(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_float64(v) for v in batch)
-    return batch
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return {name: t.detach().clone() for name, t in named}
-
-
-# ------------------------------ Comparing, and naming the likely cause -----------------------
-
-
-def _compare(world: int, ranks: list[dict], reference: dict, suspects: list[str], rtol: float) -> None:
-    """The first step's gradients, then each step's parameters and buffers: replicas bitwise
-    equal to rank 0, rank 0 close to the reference. Raises at the first divergence."""
-    checks = [("the gradient of `{}`", 1, [r["grads"] for r in ranks], reference["grads"])]
-    checks += [("`{}` after the optimizer step", step + 1, [r["states"][step] for r in ranks], expected)
-               for step, expected in enumerate(reference["states"])]
-    for what, step, per_rank, expected in checks:
-        for name, got in per_rank[0].items():
-            for rank, other in enumerate(per_rank[1:], 1):
-                if not torch.equal(other[name], got):
-                    raise AssertionError(_report(world, step, what.format(name), got, other[name],
-                                                 suspects, f"rank {rank} differs from rank 0", replicas=True))
-            ref = expected.get(name)
-            if ref is None or not torch.allclose(got, ref, rtol=rtol, atol=rtol * max(1.0, ref.abs().max())):
-                raise AssertionError(_report(world, step, what.format(name), ref, got, suspects,
-                                             "rank 0 differs from one process", replicas=False))
-
-
-def _report(world: int, step: int, where: str, expected: torch.Tensor | None, got: torch.Tensor,
-            suspects: list[str], how: str, replicas: bool) -> str:
-    lines = [f"DDP diverges from 1-process training: world size {world}, step {step}, {where} ({how})"]
-    if expected is None:
-        lines.append("  one process has no such tensor (a gradient that only DDP computed?)")
-    else:
-        error = (got - expected).abs()
-        relative = torch.where(expected != 0, error / expected.abs(), 0.0)  # where one process has 0: none
-        lines.append(f"  largest absolute error {error.max().item():.3g}, largest relative error "
-                     f"{relative.max().item():.3g}")
-        factor = _scale(got, expected)
-        if not replicas and factor is not None and abs(factor * world - 1) < 0.05 and world > 1:
-            lines.append(_cause(f"the gradients are about 1/{world} (the world size) of one process's: DDP "
-                                "averages gradients over ranks, so the loss must be the batch mean. A summed "
-                                "loss, or a sum divided by a per-rank count, gives 1/world"))
-        if not replicas and factor is not None and abs(factor / world - 1) < 0.05 and world > 1:
-            lines.append(_cause(f"the gradients are about {world}x (the world size) one process's: DDP "
-                                "already averages over ranks; do not multiply the loss by the world size"))
-    lines += [_cause(c) for c in suspects]
-    if replicas:
-        lines.append(_cause("replicas that differ from each other: DDP keeps parameters equal by averaging "
-                            "gradients and broadcasts rank 0's buffers only at the start of each forward, so "
-                            "a buffer or parameter changed from a rank's own data (or rank-dependent code) "
-                            "drifts apart"))
-    return "\n".join(lines)
-
-
-def _cause(text: str) -> str:
-    return f"  likely cause: {text}"
-
-
-def _scale(got: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """The factor c that best fits got = c x expected (None when expected is zero)."""
-    norm = (expected * expected).sum().item()
-    return (got * expected).sum().item() / norm if norm > 0 else None
-
-
-def _suspects(model: nn.Module) -> list[str]:
-    """What in the model is known to make DDP differ from one process: one cause each, naming modules."""
-    batchnorms, dropouts = [], []
-    for name, module in model.named_modules():
-        where = f"`{name or '(the model)'}` ({type(module).__name__}"
-        synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "synchronized", False)
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
-            batchnorms.append(where + ")")
-        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else \
-            module.dropout if isinstance(module, nn.MultiheadAttention) else 0.0
-        if p > 0:
-            dropouts.append(f"{where}, p={p})")
-    found = []
-    if batchnorms:
-        found.append(f"BatchNorm in {_first_few(batchnorms)} normalizes each rank's batch with that rank's "
-                     "own statistics: convert the model with distributed.sync_batchnorm(model) before DDP (torch's "
-                     "SyncBatchNorm on GPUs, an exact version on CPU processes), or use GroupNorm/LayerNorm")
-    if dropouts:
-        found.append(f"Dropout in {_first_few(dropouts)}: random masks cannot match one process's; pass "
-                     "disable_dropout=True to check the rest of the model (dropout itself is then unchecked)")
-    return found
-
-
-def _data_suspects(make_data: Callable[[], Any]) -> list[str]:
-    """Per-rank data randomness: an item that differs when read twice (a random augmentation drawing from
-    torch's global generator) differs between the ranks and one process, however right the model is."""
-    try:
-        distributed.check_repeatable(make_data())
-    except ValueError as e:
-        return [str(e)]
-    return []
-
-
-def _first_few(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
-def _rank_failure(world: int, error: PoolError, suspects: list[str]) -> str:
-    """The causes, then one rank's traceback, trimmed (ranks raise alike); every rank's in a file."""
-    if not error.tracebacks:  # a hang: the message names the ranks and the timeout
-        return f"DDP training failed at world size {world}: {error}"
-    with tempfile.NamedTemporaryFile("w", prefix="ddp_check-", suffix=".log", delete=False) as f:
-        f.write(str(error))
-    first = min(error.tracebacks)
-    lines = [f"DDP training failed on ranks {sorted(error.tracebacks)} at world size {world}:"]
-    if any("find_unused_parameters" in tb or "did not receive grad" in tb for tb in error.tracebacks.values()):
-        lines.append(_cause("parameters that get no gradient in some step (unused parameters): DDP waits "
-                            "for every parameter's gradient; pass find_unused_parameters=True to "
-                            "assert_ddp_equivalent, as to DDP in your training code, or remove them"))
-    lines += [_cause(c) for c in suspects]
-    tail = [line[:200] for line in error.tracebacks[first].rstrip().splitlines()[-_TRACEBACK_LINES:]]
-    lines += [f"rank {first}'s traceback, last lines:", *(f"  {line}" for line in tail),
-              f"every rank's whole traceback: {f.name}"]
-    return "\n".join(lines)
-
-
-# ------------------------------ Bad input: before any process starts -------------------------
-
-
-def _check_inputs(spec: dict, world_sizes: tuple[int, ...]) -> nn.Module:
-    """ValueError/TypeError naming the bad value and the fix; returns the model (for diagnosis)."""
-    for arg in ("make_model", "make_data", "train_step" if "train_step" in spec else "loss_fn", "make_optimizer",
-                "after_ddp"):
-        _check_importable(arg, spec[arg])
-    if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
-        raise ValueError(f"world_sizes must be integers >= 1, got: {world_sizes!r}")
-    for arg in ("steps", "batch", "accum"):
-        if isinstance(spec[arg], bool) or not isinstance(spec[arg], int) or spec[arg] < 1:
-            name = {"batch": "batch_size"}.get(arg, arg)
-            raise ValueError(f"{name} must be an integer >= 1, got: {spec[arg]!r}")
-    torch.manual_seed(spec["seed"])
-    model = spec["make_model"]()
+def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...], accums: dict[int, int]) -> nn.Module:
+    """ValueError/TypeError naming the bad value and the fix; returns the model (for the suspects)."""
+    for arg in ("make_model", "make_data", "train_step", "make_optimizer", "after_ddp"):
+        if arg != "train_step" or spec.own_step:  # assert_ddp_equivalent checked loss_fn
+            _check_importable(arg, getattr(spec, arg))
+    for arg in ("steps", "batch_size"):
+        value = getattr(spec, arg)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got: {value!r}")
+    options = set(inspect.signature(DDP.__init__).parameters) - {"self", "module", "device_ids", "output_device",
+                                                                  "process_group", "device_mesh"}
+    if unknown := sorted(dict(spec.ddp_options).keys() - options):
+        raise TypeError(f"{front} got unknown keyword(s) {unknown}; besides its own it takes "
+                        f"DistributedDataParallel's options: {', '.join(sorted(options))}")
+    torch.manual_seed(spec.seed)
+    model = spec.make_model()
     if not isinstance(model, nn.Module):
         raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return "
                         "the model itself (not a tuple, a state dict or a DDP wrapper built inside)")
-    options = set(inspect.signature(DDP.__init__).parameters) - {"self", "module", "device_ids", "output_device",
-                                                                  "process_group", "device_mesh"}
-    if unknown := sorted(spec["ddp_options"].keys() - options):
-        raise TypeError(f"assert_ddp_equivalent got unknown keyword(s) {unknown}; besides its own it takes "
-                        f"DistributedDataParallel's options: {', '.join(sorted(options))}")
-    needed = max(world_sizes) * spec["batch"] * spec["steps"] * spec["accum"]
-    size = len(spec["make_data"]())
+    needed = max(world * spec.batch_size * spec.steps * accums[world] for world in world_sizes)
+    size = len(spec.make_data())
     if size < needed:
-        raise ValueError(f"make_data() returned {size} samples, fewer than max(world_sizes) x batch_size x "
-                         f"steps = {needed}: the ranks would train on padded repeats; return at least "
-                         f"{needed} samples, or pass smaller world_sizes, batch_size or steps")
-    return _without_dropout(model.double()) if spec["disable_dropout"] else model.double()
+        raise ValueError(f"make_data() returned {size} samples, fewer than world size x batch_size x steps x accum "
+                         f"= {needed}: the ranks would train on padded repeats; return at least {needed} samples, "
+                         "or pass smaller world_sizes, batch_size, steps or accum")
+    if spec.disable_dropout:
+        return _without_dropout(model)
+    return model
 
 
 def _check_importable(arg: str, fn: Any) -> None:
@@ -645,7 +666,7 @@ def _check_importable(arg: str, fn: Any) -> None:
                          "with `def` at the top level of a module") from e
 
 
-# ------------------------------ Worker pools: real gloo processes, reused --------------------
+# ------------------------------ Worker pools: real gloo processes, reused ----------------------------
 
 
 class PoolError(AssertionError):
@@ -673,7 +694,7 @@ class WorkerPool:
         for _, child in pipes:
             child.close()
 
-    def run(self, task: Callable[[dict], Any], spec: dict, timeout: float | None = None) -> list:
+    def run(self, task: Callable[[Any], Any], spec: Any, timeout: float | None = None) -> list:
         """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
         timeout = TIMEOUT_S if timeout is None else timeout
         for conn in self.conns:
@@ -695,7 +716,6 @@ class WorkerPool:
         errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
         if errors:
             report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-            report += _devices_hint(report)
             raise PoolError(f"{task.__name__} failed on ranks {sorted(errors)} (world {self.world}):\n"
                             f"{report}", errors)
         return [replies[r][1] for r in range(self.world)]
@@ -713,7 +733,7 @@ class WorkerPools:
     def __init__(self):
         self.pools: dict[int, WorkerPool] = {}
 
-    def run(self, world: int, task: Callable[[dict], Any], spec: dict, timeout: float | None = None) -> list:
+    def run(self, world: int, task: Callable[[Any], Any], spec: Any, timeout: float | None = None) -> list:
         if world not in self.pools:
             self.pools[world] = WorkerPool(world)
         try:

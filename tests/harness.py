@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import distributed
-from ddp_check import check_equivalence
+from ddp_check import assert_ddp_equivalent
 from shared_memory_allreduce import shared_memory_allreduce
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the library, the example
@@ -115,16 +115,16 @@ def hook_shared_memory(ddp: DDP) -> None:
     assert hooked == (distributed.get_world_size() > 1), f"shared_memory_allreduce returned {hooked}"
 
 
-def check_training(spec: dict, world: int, rtol: float) -> list[dict]:
-    """ddp_check's engine on these models and data: N ranks through DDP against one process on
-    the union of their batches; raises AssertionError at the first divergence. Per-rank records."""
-    return check_equivalence(
+def check_training(spec: dict, world: int, rtol: float) -> None:
+    """ddp_check on these models and data: N ranks through DDP against one process on the union of their
+    batches (with ``accum`` micro-batches a step, all but the last under no_sync); AssertionError at the first
+    divergence, or when a micro-step other than the last all-reduced."""
+    assert_ddp_equivalent(
         functools.partial(build_model, spec["kind"], spec["width"], spec["model_seed"]),
         functools.partial(build_data, spec["kind"], spec["n"], spec["data_seed"]), batch_loss,
-        functools.partial(optimizer_for, spec["optim"], spec["lr"]), world_sizes=(world,), steps=spec["steps"],
-        batch_size=spec["batch"], seed=spec["data_seed"], accum=spec["accum"], epoch=spec["epoch"],
-        shuffle=spec["shuffle"], after_ddp=hook_shared_memory if spec["allreduce"] == "shared-memory" else None,
-        rtol=rtol)[world]
+        make_optimizer=functools.partial(optimizer_for, spec["optim"], spec["lr"]), world_sizes=(world,),
+        steps=spec["steps"], batch_size=spec["batch"], seed=spec["data_seed"], accum=spec["accum"],
+        after_ddp=hook_shared_memory if spec["allreduce"] == "shared-memory" else None, rtol=rtol)
 
 
 @contextlib.contextmanager

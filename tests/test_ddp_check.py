@@ -383,12 +383,13 @@ def test_summed_loss_is_named_as_a_world_size_factor(world):
 def test_unused_parameters_name_the_keyword_and_tracebacks_come_once():
     message = failure(with_unused, vectors, cross_entropy, world_sizes=(2,))
     assert "world size 2" in message
-    assert "pass find_unused_parameters=True to assert_ddp_equivalent" in message  # ours, not torch's text
+    assert "pass find_unused_parameters=True to the check and to DDP in your script" in message  # not torch's
     assert message.count("Traceback") == 0 and message.count("rank 0's traceback, last lines:") == 1, message
     assert len(message.splitlines()) <= 15, message
-    path = re.search(r"every rank's whole traceback: (\S+)", message).group(1)
+    path = re.search(r"every failed run's whole traceback: (\S+)", message).group(1)
     full = Path(path).read_text()
-    assert "--- rank 0:" in full and "--- rank 1:" in full and full.count("Traceback") == 2
+    assert "--- rank 0:" in full and "--- rank 1:" in full and "--- one process:" in full, full
+    assert full.count("Traceback") == 3, full
 
 
 def test_ddp_options_reach_every_ranks_ddp():
@@ -572,7 +573,7 @@ def test_correct_steps_pass_the_whole_step_check():
                                         r"\n.*no_sync\(\) around the backward only"),
     (step_loss_not_divided, r"the gradients are about 2x \(the micro-batches\) one batch's: divide each micro-batch's "
                             r"loss by their number \(2\)"),
-    (step_clips_scaled_gradients, r"differently at loss scale 1024 than at 1.*\n.*gradients used before "
+    (step_clips_scaled_gradients, r"differently at loss scale 1024 than at 1(.|\n)*gradients used before "
                                   r"scaler.unscale_\(optimizer\): clipping"),
 ], ids=["sync-flag-after-forward", "no_sync-around-backward-only", "loss-not-divided", "clipping-scaled-grads"])
 def test_a_buggy_step_fails_naming_its_cause(train_step, message):
@@ -605,9 +606,31 @@ def test_an_unused_parameter_is_named_with_its_step_rank_and_the_safe_option():
     rules out static_graph, pytorch/pytorch#143580), although DDP's own error comes a step later, in indices."""
     with pytest.raises(AssertionError, match=r"step 2 raised on rank 0\n.*`unused.bias`, `unused.weight` got no "
                                              r"gradient at step 1 on rank 0 \(DDP waits for every parameter\): pass "
-                                             r"find_unused_parameters=True \(not static_graph=True: with no_sync "
-                                             r"accumulation it fails"):
+                                             r"find_unused_parameters=True to the check and to DDP in your script "
+                                             r"\(not static_graph=True: with no_sync accumulation it fails"):
         assert_step_equivalent(with_unused, vectors, step_nanogpt, world_sizes=(2,))
+
+
+def step_summed_loss(model, optimizer, scaler, micro_batches, step):
+    """The no_sync() shape with each micro-batch's loss summed over its samples, not averaged."""
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
+            (F.cross_entropy(model(x), y, reduction="sum") / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_a_summed_loss_is_named_alike_by_the_model_and_the_step_check(accum):
+    """One engine, one list of causes: a loss summed over the samples is named by both checks, as the world-size
+    factor (1 micro-batch) or as the micro-batches' factor, which the check compares first (3)."""
+    model_check = failure(mlp, vectors, summed_cross_entropy, world_sizes=(2,), accum=accum, batch_size=2)
+    with pytest.raises(AssertionError) as info:
+        assert_step_equivalent(mlp, vectors, step_summed_loss, world_sizes=(2,), accum=accum)
+    factor = "1/2 (the world size) of one process's" if accum == 1 else "1/3 (the micro-batches) of one batch's"
+    for message in (model_check, str(info.value)):
+        assert "step 1, the gradient of `0.weight`" in message, message
+        assert f"about {factor}: " in message and "must be the batch mean. A summed loss" in message, message
 
 
 def test_per_rank_data_randomness_is_named_in_a_step_check():
