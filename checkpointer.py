@@ -101,8 +101,8 @@ class Checkpointer:
     back after construction (``best = state["best"]``) and write it before each save (``state["best"] = best``).
     Training meters restart at a mid-epoch resume unless their sums live in ``state`` (as min_ddp keeps its
     unlogged loss and accuracy sums): then the epoch's averages cover every step, not only those since the resume.
-    Messages count epochs from 1 ("after step 3 of epoch 2"), as people say them; ``epoch`` counts from 0, as
-    ``range()`` does: that message is ``epoch == 1``.
+    Messages give the position as counts of work done, as the attributes hold it: "stopped by SIGUSR1 after 1 epoch
+    and 3 steps" is ``epoch == 1`` (the second epoch, as ``range()`` counts) and ``epoch_steps == 3``.
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
@@ -122,29 +122,8 @@ class Checkpointer:
         self.epoch = 0
         self.steps = 0
         self.epoch_steps = 0
-        if batch_size is None:
-            batch_size = getattr(loader, "batch_size", None)
-        limits = {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0), "check_every": (check_every, 1),
-                  "max_requeues": (max_requeues, 0), "batch_size": (batch_size, 1)}
-        for name, (value, low) in limits.items():
-            if value is None and name in ("check_every", "batch_size"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
-        if isinstance(save_interval, bool) or not isinstance(save_interval, (int, float)) or not save_interval >= 0:
-            raise ValueError(f"Checkpointer: save_interval must be a number of seconds >= 0, got: {save_interval!r}")
-        if path and loader is None and batch_size is None:
-            raise ValueError("Checkpointer: an iteration loop (no loader=) needs batch_size=, the samples each rank "
-                             "trains on per micro-batch, so that a resume at another global batch is refused (an "
-                             "epoch loop passes loader=)")
-        loader_batch = getattr(loader, "batch_size", None)
-        if loader_batch is not None and batch_size != loader_batch:
-            raise ValueError(f"Checkpointer: batch_size={batch_size} but loader.batch_size={loader_batch}; leave "
-                             "batch_size out when you pass a loader")
-        if distributed.launch_mode() != "single" and not dist.is_initialized():
-            # Without a group every rank would restore as a world of one: rank 0's RNG, a wrong global batch.
-            raise RuntimeError("Checkpointer: no process group yet; construct it after "
-                               "distributed.init_process_group()")
+        batch_size = _checked_arguments(path, loader, batch_size, grad_accum, save_every, save_interval,
+                                        check_every, max_requeues)
         self._per_step = (batch_size or 0) * grad_accum  # samples a rank reads per optimizer step
         # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
         distributed.check_weights_only(self.settings, "Checkpointer: settings")
@@ -224,16 +203,15 @@ class Checkpointer:
         slowest rank's time since the last check, from which every rank computes the same next check."""
         now = time.monotonic()
         due = bool(self.path and self.save_interval and now - self._saved_at >= self.save_interval)
-        values = distributed.reduce(torch.tensor([_recorder().received, due, now - self._checked_at],
-                                                 dtype=torch.float64), "max").tolist()
+        signum, (save_due, slowest) = _agree(due, now - self._checked_at)
         if self.check_every:
             self._next_check = self.steps + self.check_every
         else:  # about _CHECK_S apart, whether a step takes a millisecond or a minute
-            per_step = max(values[2], 1e-9) / (self.steps - self._checked_step)
+            per_step = max(slowest, 1e-9) / (self.steps - self._checked_step)
             self._next_check = self.steps + max(1, min(int(_CHECK_S / per_step), 100_000))
         self._checked_at = now
         self._checked_step = self.steps
-        return (signal.Signals(int(values[0])) if values[0] else None), bool(values[1])
+        return signum, bool(save_due)
 
     def save(self) -> None:
         """Write the snapshot now (atomically); must be called on all ranks."""
@@ -274,13 +252,8 @@ class Checkpointer:
         self.epoch = saved["epoch"]
         self.steps = saved["steps"]
         self.epoch_steps = saved["epoch_steps"]
-        if self.loader is None:
-            where = f"after step {self.steps}"
-        elif self.epoch_steps:
-            where = f"in epoch {self.epoch + 1} after step {self.epoch_steps}"
-        else:
-            where = f"after {self.epoch} epoch(s)"
-        distributed.print_primary(f"resumed from {self.path} {where} (saved at world size {len(ranks)})")
+        where = _position(self.epoch, self.epoch_steps, self.steps, self.loader is not None)
+        distributed.print_primary(f"resumed from {self.path} after {where} (saved at world size {len(ranks)})")
 
     def _loader_generator_state(self) -> torch.Tensor | None:
         generator = getattr(self.loader, "generator", None)
@@ -295,10 +268,7 @@ class Checkpointer:
                       and "SLURM_JOB_ID" in os.environ
                       and int(os.environ.get("SLURM_RESTART_COUNT", 0)) < self.max_requeues)
         requeued = bool(distributed.reduce(requeue() if wanted else False, "max"))  # only the primary asks
-        if self.loader is not None:
-            where = f"step {self.epoch_steps} of epoch {self.epoch + 1}"
-        else:
-            where = f"step {self.steps}"
+        where = _position(self.epoch, self.epoch_steps, self.steps, self.loader is not None)
         saved = f"saved to {self.path}" if self.path else "not saved (no snapshot path)"
         if requeued:
             saved += "; requeued"
@@ -340,9 +310,7 @@ def stop_requested() -> signal.Signals | None:
     thread); until then a stop signal keeps its default effect, so a script that never asks is not changed.
     Call handle_stop_signals() earlier to record signals from the start. Of different signals SIGTERM wins
     (scancel sends it)."""
-    handle_stop_signals()
-    received = int(distributed.reduce(_recorder().received, "max"))
-    return signal.Signals(received) if received else None
+    return _agree()[0]
 
 
 def requeue() -> bool:
@@ -372,14 +340,6 @@ _CHUNK = 16 << 20  # bytes of each rank's state per gather when a save collects 
 _SNAPSHOT_KEYS = {"model", "optimizer", "steps", "epoch", "epoch_steps", "global_batch", "settings", "ranks"}
 
 
-def _recorder() -> _StopRecorder:
-    recorder = signal.getsignal(signal.SIGTERM)
-    if not isinstance(recorder, _StopRecorder):
-        raise RuntimeError("stop_requested: the stop signals are not handled here, so one would end the process "
-                           "before it is asked for; call checkpointer.handle_stop_signals() first, on every rank")
-    return recorder
-
-
 class _StopRecorder:
     """handle_stop_signals()'s handler; it lives in the process's signal table, not in a module global. It only
     records: it runs between two bytecodes of whatever the main thread was doing, maybe a collective,
@@ -388,6 +348,57 @@ class _StopRecorder:
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.received = max(self.received, signum)
+
+
+def _checked_arguments(path: str | os.PathLike | None, loader: Any, batch_size: int | None, grad_accum: int,
+                       save_every: int, save_interval: float, check_every: int | None, max_requeues: int) -> int | None:
+    """The Checkpointer's arguments checked, each error naming the value and the fix; returns the batch size
+    (the loader's when not given)."""
+    if batch_size is None:
+        batch_size = getattr(loader, "batch_size", None)
+    limits = {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0), "check_every": (check_every, 1),
+              "max_requeues": (max_requeues, 0), "batch_size": (batch_size, 1)}
+    for name, (value, low) in limits.items():
+        if value is None and name in ("check_every", "batch_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"Checkpointer: {name} must be an integer >= {low}, got: {value!r}")
+    if isinstance(save_interval, bool) or not isinstance(save_interval, (int, float)) or not save_interval >= 0:
+        raise ValueError(f"Checkpointer: save_interval must be a number of seconds >= 0, got: {save_interval!r}")
+    if path and loader is None and batch_size is None:
+        raise ValueError("Checkpointer: an iteration loop (no loader=) needs batch_size=, the samples each rank "
+                         "trains on per micro-batch, so that a resume at another global batch is refused (an "
+                         "epoch loop passes loader=)")
+    loader_batch = getattr(loader, "batch_size", None)
+    if loader_batch is not None and batch_size != loader_batch:
+        raise ValueError(f"Checkpointer: batch_size={batch_size} but loader.batch_size={loader_batch}; leave "
+                         "batch_size out when you pass a loader")
+    if distributed.launch_mode() != "single" and not dist.is_initialized():
+        # Without a group every rank would restore as a world of one: rank 0's RNG, a wrong global batch.
+        raise RuntimeError("Checkpointer: no process group yet; construct it after "
+                           "distributed.init_process_group()")
+    return batch_size
+
+
+def _agree(*values: float) -> tuple[signal.Signals | None, list[float]]:
+    """The one stop poll, for stop_requested() and Checkpointer.step(): one all-reduce (max) on all ranks of the
+    stop signal any rank received and of ``values``. Installs the handlers first (handle_stop_signals())."""
+    handle_stop_signals()
+    recorder = signal.getsignal(signal.SIGTERM)
+    agreed = distributed.reduce(torch.tensor([recorder.received, *values], dtype=torch.float64), "max").tolist()
+    return (signal.Signals(int(agreed[0])) if agreed[0] else None), agreed[1:]
+
+
+def _position(epoch: int, epoch_steps: int, steps: int, epochs: bool) -> str:
+    """Where a run is, as counts of work done (what ckpt.epoch, ckpt.epoch_steps and ckpt.steps hold): "1 epoch
+    and 5 steps" (an epoch loop), "40 steps" (an iteration loop). Counts need no convention for the first one."""
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" if n == 1 else f"{n} {what}s"
+    if not epochs:
+        return count(steps, "step")
+    if epoch_steps:
+        return f"{count(epoch, 'epoch')} and {count(epoch_steps, 'step')}"
+    return count(epoch, "epoch")
 
 
 def _agreed_snapshot(path: str | None) -> dict | None:
@@ -542,7 +553,8 @@ def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) 
             fix = f"at {world} process(es), batch size x grad_accum = {before // world} per process"
         else:
             fix = f"a number of processes that divides {before}"
-        raise ValueError(f"the snapshot {path} stopped in epoch {saved['epoch'] + 1} after step "
-                         f"{saved['epoch_steps']} with a global batch (batch size x grad_accum x processes) of "
+        where = _position(saved["epoch"], saved["epoch_steps"], saved["steps"], True)
+        raise ValueError(f"the snapshot {path} stopped after {where} with a global batch (batch size x grad_accum x "
+                         f"processes) of "
                          f"{before} samples, and this run's is {global_batch}: the rest of the epoch continues only "
                          f"with the same global batch: use {fix} (at an epoch's end any global batch may resume)")

@@ -107,10 +107,10 @@ def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
     snapshot, model = str(tmp_path / "snap.pt"), str(tmp_path / "model.pt")
     stopped = run("--snapshot", snapshot, "--save-model", model, stop="0:5:SIGUSR1")
-    assert "stopped by SIGUSR1 after step 5 of epoch 1; saved to" in stopped.stdout, stopped.stderr[-3000:]
+    assert "stopped by SIGUSR1 after 0 epochs and 5 steps; saved to" in stopped.stdout, stopped.stderr[-3000:]
     assert distributed.load_checkpoint(snapshot, map_location="cpu")["ranks"][0]["cuda_rng"] is not None
     resumed = run("--snapshot", snapshot, "--save-model", model)
-    assert resumed.returncode == 0 and "in epoch 1 after step 5" in resumed.stdout, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "after 0 epochs and 5 steps" in resumed.stdout, resumed.stderr[-3000:]
     final = distributed.load_checkpoint(model, map_location="cpu")
     straight = distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu")
     if GPUS <= 2:
@@ -131,7 +131,7 @@ def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path):
                               env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert run("never.pt", "straight.pt", 0).returncode == 0
     stopped = run("snap.pt", "resumed.pt", 5)
-    assert stopped.returncode == 138 and "after step 5 of epoch 1" in stopped.stdout, stopped.stderr[-3000:]
+    assert stopped.returncode == 138 and "after 0 epochs and 5 steps" in stopped.stdout, stopped.stderr[-3000:]
     resumed = run("snap.pt", "resumed.pt", 0)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(torch.load(tmp_path / "resumed.pt.steps"), torch.load(tmp_path / "straight.pt.steps"))

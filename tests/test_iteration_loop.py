@@ -36,13 +36,13 @@ def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess
 
 @pytest.fixture(scope="module")
 def stopped_at_12(tmp_path_factory) -> Path:
-    """An uninterrupted run (straight.pt) and a snapshot of the same loop stopped after step 12 (snap.pt)."""
+    """An uninterrupted run (straight.pt) and a snapshot of the same loop stopped after 12 steps (snap.pt)."""
     tmp = tmp_path_factory.mktemp("own-loop")
     straight, stopped = at_once([start_own_loop(tmp, "never.pt", "straight.pt"),
                                  start_own_loop(tmp, "snap.pt", "unused.pt", "--stop", "12", "--check-every", "1")])
     assert straight.returncode == 0, straight.stderr
     assert stopped.returncode == 138, stopped.stderr
-    assert "stopped by SIGUSR1 after step 12; saved to" in stopped.stdout, stopped.stdout
+    assert "stopped by SIGUSR1 after 12 steps; saved to" in stopped.stdout, stopped.stdout
     return tmp
 
 
@@ -69,12 +69,12 @@ def test_own_iteration_loop_stops_resumes_bitwise_then_finishes_once(stopped_at_
     command run again (a requeue after the end) trains no step."""
     result, directory = resumed[2]
     assert result.returncode == 0, result.stderr
-    assert f"resumed from {directory / 'snap.pt'} after step 12 (saved at world size 2)" in result.stdout
+    assert f"resumed from {directory / 'snap.pt'} after 12 steps (saved at world size 2)" in result.stdout
     assert "trained 18 iterations" in result.stdout
     expected = distributed.load_checkpoint(stopped_at_12 / "straight.pt")
     assert_bitwise_equal(distributed.load_checkpoint(directory / "resumed.pt"), expected, "final model and state")
     again = own_loop(directory, "snap.pt", "again.pt")
-    assert again.returncode == 0 and "after step 30" in again.stdout and "trained 0 iterations" in again.stdout, \
+    assert again.returncode == 0 and "after 30 steps" in again.stdout and "trained 0 iterations" in again.stdout, \
         again.stdout
 
 
@@ -129,7 +129,7 @@ def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_pa
                "--iters", "200"]
     code, out, err, seconds = signal_once_printed(command, tmp_path, "iteration 5", signal.SIGTERM)
     assert code == -signal.SIGTERM, err
-    stopped = int(re.search(r"stopped by SIGTERM after step (\d+); saved to", out).group(1))
+    stopped = int(re.search(r"stopped by SIGTERM after (\d+) steps?; saved to", out).group(1))
     assert 5 <= stopped <= 12, out
     assert distributed.load_checkpoint(tmp_path / "snap.pt")["steps"] == stopped
 
@@ -146,4 +146,4 @@ def test_a_hard_kill_loses_at_most_the_save_interval(tmp_path):
     saved = distributed.load_checkpoint(tmp_path / "snap.pt")["steps"]
     assert 10 <= saved <= 40, saved
     resumed = own_loop(tmp_path, "snap.pt", "out.pt", "--iters", str(saved + 2))
-    assert resumed.returncode == 0 and f"after step {saved} " in resumed.stdout, resumed.stderr
+    assert resumed.returncode == 0 and f"after {saved} step" in resumed.stdout, resumed.stderr

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 MIN_DDP = ["--nprocs", "3", "--epochs", "2", "--batch-size", "64", "--seed", "3", "--log-every", "100",
            "--check-every", "1"]
 # (name, FLOAT64, the rank and step of the stop, what the stop line says)
-MIN_DDP_STOPS = [("float64 mid-epoch", "1", "0:5:SIGUSR1", "after step 5 of epoch 1"),
-                 ("float32 at an epoch's end", "", "2:11:SIGUSR1", "after step 11 of epoch 1")]
+MIN_DDP_STOPS = [("float64 mid-epoch", "1", "0:5:SIGUSR1", "after 0 epochs and 5 steps"),
+                 ("float32 at an epoch's end", "", "2:11:SIGUSR1", "after 0 epochs and 11 steps")]
 # random_loop at world 3: 256 samples, 16 per process, 6 steps an epoch; float64.
 LOOP_STOPS = [("find_unused_parameters mid-epoch", "find-unused", 3), ("plain gloo at an epoch's end", "plain", 6)]
 
@@ -57,7 +57,7 @@ def resumed_at_three(tmp_path_factory) -> dict:
     for (_, _, _, where), run in zip(MIN_DDP_STOPS, done[2:4], strict=True):
         assert f"stopped by SIGUSR1 {where}; saved to" in run.stdout, run.stdout + run.stderr
     for (_, _, stop), run in zip(LOOP_STOPS, done[6:8], strict=True):
-        assert f"stopped by SIGUSR1 after step {stop} of epoch 1" in run.stdout, run.stdout + run.stderr
+        assert f"stopped by SIGUSR1 after 0 epochs and {stop} steps" in run.stdout, run.stdout + run.stderr
     second = [min_ddp(name, f64) for name, f64, *_ in MIN_DDP_STOPS]
     second += [loop(name, ddp, 0) for name, ddp, _ in LOOP_STOPS]
     done = at_once(second, timeout=300)

@@ -63,12 +63,12 @@ def done_line(stdout: str) -> str:
 # chain of stops shares the reference and a final run: each stop must resume exactly for it to end bitwise.
 SCENARIOS = {
     "at the first step, right after a resume, at an epoch's last step, twice in one epoch": [
-        ("0:1:SIGUSR1", "SIGUSR1 after step 1 of epoch 1"),            # at the first step, to rank 0
-        ("1:1:SIGTERM", "SIGTERM after step 2 of epoch 1"),            # right after a resume, to rank 1
-        ("0:14:SIGUSR2", "SIGUSR2 after step 16 of epoch 1"),          # at an epoch's last step
-        ("1:3:SIGUSR1", "SIGUSR1 after step 3 of epoch 2"),            # twice within one epoch
-        ("0:4:SIGTERM", "SIGTERM after step 7 of epoch 2")],
-    "while one rank waits in the gradient all-reduce": [("1:5:SIGUSR1:late", "SIGUSR1 after step 8 of epoch 1")],
+        ("0:1:SIGUSR1", "SIGUSR1 after 0 epochs and 1 step"),            # at the first step, to rank 0
+        ("1:1:SIGTERM", "SIGTERM after 0 epochs and 2 steps"),            # right after a resume, to rank 1
+        ("0:14:SIGUSR2", "SIGUSR2 after 0 epochs and 16 steps"),          # at an epoch's last step
+        ("1:3:SIGUSR1", "SIGUSR1 after 1 epoch and 3 steps"),            # twice within one epoch
+        ("0:4:SIGTERM", "SIGTERM after 1 epoch and 7 steps")],
+    "while one rank waits in the gradient all-reduce": [("1:5:SIGUSR1:late", "SIGUSR1 after 0 epochs and 8 steps")],
 }
 # No stop check after step 5: rank 1 goes straight on to step 6's gradient all-reduce and waits there.
 EXTRA = {"while one rank waits in the gradient all-reduce": ["--check-every", "4"]}
@@ -98,7 +98,7 @@ def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterr
 
 @pytest.fixture(scope="module")
 def stopped_at_step_7(tmp_path_factory) -> Path:
-    """The snapshot of FLAGS's run stopped by SIGTERM to rank 0 after step 7 of epoch 1 (global batch 128)."""
+    """The snapshot of FLAGS's run stopped by SIGTERM to rank 0 after 0 epochs and 7 steps (global batch 128)."""
     tmp = tmp_path_factory.mktemp("stopped-at-7")
     assert run(tmp, *FLAGS, "--snapshot", str(tmp / "snap.pt"), stop_at="0:7:SIGTERM").returncode == 143
     return tmp / "snap.pt"
@@ -128,7 +128,7 @@ def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterr
     flags[1], flags[flags.index("--batch-size") + 1] = str(world), batch
     out = run(tmp_path, *flags)
     assert out.returncode == 0, out.stderr
-    assert f"resumed from {tmp_path / 'snap.pt'} in epoch 1 after step 7 (saved at world size 2)" in out.stdout
+    assert f"resumed from {tmp_path / 'snap.pt'} after 0 epochs and 7 steps (saved at world size 2)" in out.stdout
     assert f"done: world={world} epochs=2" in out.stdout
     first = next(line for line in out.stdout.splitlines() if line.startswith("[global]"))
     assert first.startswith("[global] epoch 1 step 10/16 ") and first.endswith("/384)"), first
@@ -145,7 +145,7 @@ def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_
     other[1], other[other.index("--batch-size") + 1] = "1", "64"
     out = run(tmp_path, *other)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert (f"min_ddp: the snapshot {snap} stopped in epoch 1 after step 7 with a global batch (batch size x "
+    assert (f"min_ddp: the snapshot {snap} stopped after 0 epochs and 7 steps with a global batch (batch size x "
             "grad_accum x processes) of 128 samples, and this run's is 64: the rest of the epoch continues only "
             "with the same global batch: use at 1 process(es), batch size x grad_accum = 128 per process") in out.stderr
 
@@ -154,7 +154,7 @@ def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_
 def test_without_snapshot_a_stop_still_ends_every_rank_at_one_step(tmp_path):
     out = run(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
     assert out.returncode == 140, out.stderr
-    assert "stopped by SIGUSR2 after step 2 of epoch 1; not saved (no snapshot path)" in out.stdout
+    assert "stopped by SIGUSR2 after 0 epochs and 2 steps; not saved (no snapshot path)" in out.stdout
 
 
 @pytest.mark.slow
@@ -323,7 +323,7 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
                                              "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1))
     finally:
         del os.environ["START_METHOD"]
-    assert "stopped by SIGUSR1 after step 36 of epoch 2" in out and code == -signal.SIGUSR1, err
+    assert "stopped by SIGUSR1 after 1 epoch and 36 steps" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err
     flags[flags.index("--workers") + 1] = "0"  # the resume needs no loader workers: the stop was the test
     assert run(tmp_path, *flags).returncode == 0
@@ -361,7 +361,8 @@ def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, unin
     info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3))  # 96 s of steps
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
-    assert log.count("; saved to snap.pt; requeued") == 1 and "stopped by SIGUSR1 after step" in log, log
+    assert log.count("; saved to snap.pt; requeued") == 1, log
+    assert re.search(r"stopped by SIGUSR1 after \d+ epochs? and \d+ steps?;", log), log
     assert "resumed from snap.pt" in log and "Traceback" not in log, log
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
     assert done_line(log) == done
@@ -380,7 +381,8 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     subprocess.run(["scancel", job], check=True, timeout=30)
     info = wait_for_job(job)
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log.read_text()
-    assert "stopped by SIGTERM after step" in log.read_text() and "requeued" not in log.read_text()
+    text = log.read_text()
+    assert re.search(r"stopped by SIGTERM after \d+ epochs? and \d+ steps?;", text) and "requeued" not in text, text
     rerun = ["srun", "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]), "--snapshot", "snap.pt",
              "--save-model", "model.pt"]
     out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180,
@@ -397,7 +399,7 @@ def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(s
     out = subprocess.run([shutil.which("srun"), "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]),
                           "--snapshot", "snap.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 75, out.stderr
-    assert "stopped by SIGUSR1 after step 3 of epoch 1; saved to snap.pt; could not requeue" in out.stdout
+    assert "stopped by SIGUSR1 after 0 epochs and 3 steps; saved to snap.pt; could not requeue" in out.stdout
     assert re.search(r"requeue: scontrol is not on PATH here, so job \d+ is not requeued", out.stderr), out.stderr
 
 
@@ -487,7 +489,7 @@ def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
     ckpt.save()
     for other in (loader, None):  # no loader: the epoch would start over (or another global batch: refused)
         with pytest.raises(ValueError, match=r"stopped mid-epoch, and only loader=DataLoader\(.*\(got: loader=|"
-                                             r"stopped in epoch 2 after step 2 with a global batch"):
+                                             r"stopped after 1 epoch and 2 steps with a global batch"):
             given = {"loader": other} if other is not None else {"batch_size": 4}
             next(checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), **given).epochs(3))
 
