@@ -197,9 +197,8 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, backend, timeout))
-    if env.mode == "spawn" and _JOB_DIR_ENV in os.environ:  # for launch()'s report of a hang
-        with open(os.path.join(os.environ[_JOB_DIR_ENV], f"rank{env.rank}.backend"), "w") as f:
-            f.write(backend)
+    if files := _RankFiles.of_this_job():  # for launch()'s report of a hang
+        files.write(env.rank, "backend", backend)
     return device
 
 
@@ -478,8 +477,8 @@ def report_progress(text: str) -> None:
     """Leave ``text`` (one line: the last step saved, say) where launch() reads it should it have to kill this
     rank: after a stop signal's grace, or when it dies; the report then says what was lost. Not a collective; it
     does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
-    if launch_mode() == "spawn" and _JOB_DIR_ENV in os.environ:
-        _write_progress(os.environ[_JOB_DIR_ENV], get_rank(), text)
+    if files := _RankFiles.of_this_job():
+        files.write(get_rank(), "progress", text)
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -1211,6 +1210,48 @@ def _corrupt(path: str, error: Exception) -> RuntimeError:
 
 # ============ The local launcher's supervisor: the processes launch() starts, their signals, =====
 # ============ their deaths and their error reports (torchrun and srun do this themselves) =======
+# ------------------------------ The job directory: each rank's channel to the launcher ----------
+class _RankFiles:
+    """launch()'s private job directory, the one way a rank tells its launcher something: rank<r>.<kind>, written
+    by the rank, read by the launcher (never half: written to a temporary name, then renamed; faulthandler writes
+    the stacks itself). Kinds: "err" (the pickled report of the exception that ended the rank), "stack"
+    (faulthandler's dumps: on request, and as the rank dies of a fatal signal), "progress" (report_progress's
+    last line), "backend" (the group's, for the hang report)."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+
+    @classmethod
+    def of_this_job(cls) -> _RankFiles | None:
+        """The job directory of the launch() that started this process; None elsewhere (torchrun, srun)."""
+        directory = os.environ.get(_JOB_DIR_ENV)
+        if launch_mode() != "spawn" or not directory:
+            return None
+        return cls(directory)
+
+    def path(self, rank: int, kind: str) -> str:
+        return os.path.join(self.dir, f"rank{rank}.{kind}")
+
+    def write(self, rank: int, kind: str, data: str | bytes) -> None:
+        path = self.path(rank, kind)
+        with open(f"{path}.tmp", "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(f"{path}.tmp", path)
+
+    def read(self, rank: int, kind: str) -> str:
+        """The file's text; "" if the rank never wrote it."""
+        with contextlib.suppress(OSError), open(self.path(rank, kind)) as f:
+            return f.read()
+        return ""
+
+    def report(self, rank: int) -> dict | None:
+        """The rank's exception report (_worker_entry's), or None."""
+        with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(self.path(rank, "err"), "rb") as f:
+            return pickle.load(f)
+        return None
+
+
+# ------------------------------ The lifecycle: start, wait, stop -------------------------------
 _GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
 
 
@@ -1221,6 +1262,7 @@ class _Workers:
 
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
+        self.files = _RankFiles(self.dir)
         self.started = time.time()  # NCCL flight-recorder dumps older than this are another job's
         self.processes: list[mp.Process] = []
         self.store = None
@@ -1238,9 +1280,8 @@ class _Workers:
         threads = max(int(omp) if omp.isdigit() else _usable_cpus() // nprocs, 1)
         for rank in range(nprocs):
             rank_env = _spawn_env(rank, nprocs, init_method, threads) | {_JOB_DIR_ENV: self.dir} | (env or {})
-            err_file = os.path.join(self.dir, f"rank{rank}.err")
             p = ctx.Process(target=_worker_entry, name=f"rank{rank}", daemon=False,
-                            args=(worker, rank, nprocs, args, rank_env, err_file, os.getpid()))
+                            args=(worker, rank, nprocs, args, rank_env, os.getpid()))
             p.start()
             self.processes.append(p)
 
@@ -1259,121 +1300,29 @@ class _Workers:
                     if stopping is not None and rank in stopping.killed:
                         raise self._killed_after_grace(stopping)
                     seen_at = time.time()
-                    reports = [report for report in map(self._report, range(len(self.processes))) if report]
+                    reports = [report for report in map(self.files.report, range(len(self.processes))) if report]
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
                     timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
                         any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
-                    stacks = self._stacks() if timed_out else None  # before the others are stopped
+                    stacks = _stacks(self.processes, self.files) if timed_out else None  # before the others stop
                     _terminate(self.processes)
-                    raise self._root_cause(rank, seen_at, time.time(), stacks)
+                    raise _root_cause(self.processes, self.files, self.started, rank, seen_at, time.time(), stacks)
 
     def _killed_after_grace(self, stopping: _Stopping) -> WorkerFailed:
         for p in self.processes:
             p.join()  # the deadline killed them all at once
-        lost = "; ".join(f"rank {rank}: {self._progress(rank) or 'it reported no snapshot'}"
+        lost = "; ".join(f"rank {rank}: {self.files.read(rank, 'progress') or 'it reported no snapshot'}"
                          for rank in stopping.killed)
         return WorkerFailed(f"rank(s) {stopping.killed} had not exited {stopping.grace:g} s after "
                             f"{signal.Signals(stopping.received[0]).name} and were killed: what they did since "
                             f"their last snapshot is lost ({lost}). Stop sooner (a Checkpointer checks about every "
                             "second), save faster, or give launch() a longer grace", stopping.killed[0])
 
-    def _progress(self, rank: int) -> str:
-        """What the rank last said of its progress (report_progress), "" if nothing."""
-        with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.progress")) as f:
-            return f.read()
-        return ""
-
     def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
         _terminate(self.processes)
         self.store = None
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _report(self, rank: int) -> dict | None:
-        with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), \
-                open(os.path.join(self.dir, f"rank{rank}.err"), "rb") as f:
-            return pickle.load(f)
-        return None
-
-    def _stacks(self) -> dict[int, str]:
-        """Every live rank's Python stacks, dumped by faulthandler on _STACK_SIGNAL (from C, so also
-        while C code holds the GIL; a rank that does not answer within a second is left out), and those
-        faulthandler wrote as a rank died of a fatal signal (SIGABRT: NCCL's watchdog)."""
-        stacks = {rank: self._read_stack(rank) for rank, p in enumerate(self.processes) if p.exitcode is not None}
-        live = [rank for rank, p in enumerate(self.processes) if p.is_alive()]
-        for rank in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.processes[rank].pid, _STACK_SIGNAL)
-        deadline = time.monotonic() + 1.0
-        while not all(stacks.get(rank) for rank in live) and time.monotonic() < deadline:
-            time.sleep(0.1)  # a dump takes milliseconds: after 0.1 s a non-empty file is whole
-            stacks.update({rank: self._read_stack(rank) for rank in live})
-        return {rank: text for rank, text in stacks.items() if text or rank in live}
-
-    def _read_stack(self, rank: int) -> str:
-        with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.stack")) as f:
-            return f.read()
-        return ""
-
-    def _root_cause(self, first: int, seen_at: float, killed_at: float, stacks: dict | None) -> BaseException:
-        """The failure to report: every rank that raised before we stopped the job competes."""
-        failures, reports = [], {}
-        for rank in range(len(self.processes)):
-            report = reports[rank] = self._report(rank)
-            if report is not None and report["time"] <= killed_at:
-                collateral = bool(re.search(_COLLATERAL, report["traceback"]))
-                failures.append(_Failure(collateral, report["time"], rank, report))
-            elif rank == first:
-                failures.append(_Failure(False, seen_at, rank, None))
-        # A rank that raised or died first is the root cause; errors that only say a peer went
-        # away ("connection closed") are what the *other* ranks see, so they rank last.
-        root = min(failures, key=lambda f: (f.collateral, f.time, f.rank))
-        if root.report is None:
-            error = self._exit_error(root.rank)
-        else:
-            error = _exception_from_report(root.rank, root.report, located=stacks is not None)
-        finished = [r for r, p in enumerate(self.processes) if p.exitcode == 0]
-        if root.collateral and finished:
-            error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {root.rank} still "
-                           "called a collective: every rank must run the same collectives (the same number of "
-                           "batches)")
-        if stacks is not None:  # a collective timed out: where was each rank?
-            error.add_note(_where_ranks_are(stacks, reports, nccl=self._backend() == "nccl"))
-        if self._backend() == "nccl" and (dumps := _flight_recorder_dumps(len(self.processes), self.started)):
-            error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
-        return error
-
-    def _exit_error(self, rank: int) -> WorkerFailed:
-        """A rank that died without a Python exception; one killed by a fatal signal is placed by the stacks
-        faulthandler wrote as it died (kept in a file of their own: the job's directory is deleted)."""
-        exitcode = self.processes[rank].exitcode
-        if exitcode >= 0:
-            return WorkerFailed(f"rank {rank} exited with code {exitcode} without a Python exception", rank)
-        name = signal.Signals(-exitcode).name
-        message = f"rank {rank} was killed by signal {name}{_SIGNAL_HINTS.get(name, '')}"
-        if self._progress(rank):
-            message += f" ({self._progress(rank)})"
-        stack = self._read_stack(rank)
-        frames = _user_frames(stack)[1]
-        if frames:
-            message += f"; it was at {_place(frames)} (its stacks: {_keep_stacks({rank: stack})})"
-        return WorkerFailed(message, rank)
-
-    def _backend(self) -> str:
-        """The job's backend, as its ranks wrote it ("" if none got that far): the launcher's own view of
-        the GPUs says nothing of it (a gloo job on a GPU machine)."""
-        for rank in range(len(self.processes)):
-            with contextlib.suppress(OSError), open(os.path.join(self.dir, f"rank{rank}.backend")) as f:
-                return f.read()
-        return ""
-
-
-class _Failure(NamedTuple):
-    collateral: bool  # its error only says that a peer went away or timed out
-    time: float
-    rank: int
-    report: dict | None  # its exception, as _worker_entry recorded it; None: it died without one
-
 
 def _start_context() -> Any:
     """forkserver: it imports torch once and forks every worker from that clean state; each imports the
@@ -1389,7 +1338,7 @@ def _start_context() -> Any:
 
 
 def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
-                  env: dict[str, str], err_file: str, parent_pid: int) -> None:
+                  env: dict[str, str], parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
     gc.freeze()  # torch's many objects live as long as this process: no full collection need scan them
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (see _Workers)
@@ -1397,7 +1346,8 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
     # A rank that dies of a fatal signal (SIGABRT from NCCL's watchdog) leaves its stacks there too.
-    stack_file = open(err_file.replace(".err", ".stack"), "w")  # noqa: SIM115 (open until the process ends)
+    files = _RankFiles(env[_JOB_DIR_ENV])
+    stack_file = open(files.path(rank, "stack"), "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.register(_STACK_SIGNAL, stack_file, all_threads=True)
     faulthandler.enable(stack_file, all_threads=True)
     _die_with_parent(parent_pid)
@@ -1414,9 +1364,7 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
         with contextlib.suppress(Exception):
             pickle.loads(pickle.dumps(e))
             report["exception"] = pickle.dumps(e)
-        with open(f"{err_file}.tmp", "wb") as f:
-            pickle.dump(report, f)
-        os.replace(f"{err_file}.tmp", err_file)  # the parent never reads half a report
+        files.write(rank, "err", pickle.dumps(report))
         # This is the process's main, not library code: the exit code tells the parent to look.
         raise SystemExit(1) from None
 
@@ -1449,14 +1397,6 @@ def _spawn_env(rank: int, nprocs: int, init_method: str, threads: int) -> dict[s
     if sys.platform == "linux":  # a local job's connections (gloo's, NCCL's bootstrap) stay on loopback
         env |= {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
     return env
-
-
-def _write_progress(directory: str, rank: int, text: str) -> None:
-    """report_progress's file, which _Workers._progress reads."""
-    path = os.path.join(directory, f"rank{rank}.progress")
-    with open(f"{path}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp", path)  # the launcher never reads half a line
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
@@ -1548,6 +1488,7 @@ def _terminate(processes: list) -> None:
             p.join()
 
 
+# ------------------------------ The failure report: the root cause, not the collateral ---------
 _SIGNAL_HINTS = {
     "SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
     "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank is probably "
@@ -1567,6 +1508,103 @@ _LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_m
 _COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested")
 # Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
 _COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
+
+
+class _Failure(NamedTuple):
+    collateral: bool  # its error only says that a peer went away or timed out
+    time: float
+    rank: int
+    report: dict | None  # its exception, as _worker_entry recorded it; None: it died without one
+
+
+def _root_cause(processes: list, files: _RankFiles, started: float, first: int, seen_at: float, killed_at: float,
+                stacks: dict | None) -> BaseException:
+    """The failure to report: every rank that raised before the job was stopped competes."""
+    failures, reports = [], {}
+    for rank in range(len(processes)):
+        report = reports[rank] = files.report(rank)
+        if report is not None and report["time"] <= killed_at:
+            collateral = bool(re.search(_COLLATERAL, report["traceback"]))
+            failures.append(_Failure(collateral, report["time"], rank, report))
+        elif rank == first:
+            failures.append(_Failure(False, seen_at, rank, None))
+    # A rank that raised or died first is the root cause; errors that only say a peer went
+    # away ("connection closed") are what the *other* ranks see, so they rank last.
+    root = min(failures, key=lambda f: (f.collateral, f.time, f.rank))
+    if root.report is None:
+        error = _exit_error(processes, files, root.rank)
+    else:
+        error = _exception_from_report(root.rank, root.report, located=stacks is not None)
+    finished = [r for r, p in enumerate(processes) if p.exitcode == 0]
+    if root.collateral and finished:
+        error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {root.rank} still "
+                       "called a collective: every rank must run the same collectives (the same number of "
+                       "batches)")
+    # The job's backend as its ranks wrote it: the launcher's own view of the GPUs says nothing of it.
+    nccl = any(files.read(rank, "backend") == "nccl" for rank in range(len(processes)))
+    if stacks is not None:  # a collective timed out: where was each rank?
+        error.add_note(_where_ranks_are(stacks, reports, nccl=nccl))
+    if nccl and (dumps := _flight_recorder_dumps(len(processes), started)):
+        error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
+    return error
+
+
+def _exit_error(processes: list, files: _RankFiles, rank: int) -> WorkerFailed:
+    """A rank that died without a Python exception; one killed by a fatal signal is placed by the stacks
+    faulthandler wrote as it died (kept in a file of their own: the job's directory is deleted)."""
+    exitcode = processes[rank].exitcode
+    if exitcode >= 0:
+        return WorkerFailed(f"rank {rank} exited with code {exitcode} without a Python exception", rank)
+    name = signal.Signals(-exitcode).name
+    message = f"rank {rank} was killed by signal {name}{_SIGNAL_HINTS.get(name, '')}"
+    if progress := files.read(rank, "progress"):
+        message += f" ({progress})"
+    stack = files.read(rank, "stack")
+    frames = _user_frames(stack)[1]
+    if frames:
+        message += f"; it was at {_place(frames)} (its stacks: {_keep_stacks({rank: stack})})"
+    return WorkerFailed(message, rank)
+
+
+class _ScriptUnpickler(pickle.Unpickler):
+    """Workers know the main script as __mp_main__: ``except MyError`` around launch() catches theirs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class("__main__" if module == "__mp_main__" else module, name)
+
+
+def _exception_from_report(rank: int, report: dict, located: bool = False) -> BaseException:
+    if "traceback" not in report:
+        return WorkerFailed(report["message"], rank)
+    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
+    if re.search(_TIMED_OUT, report["traceback"]) and not located:
+        note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
+                 " raise it with init_process_group(..., timeout=seconds)).")
+    try:
+        error = _ScriptUnpickler(io.BytesIO(report["exception"])).load()
+    except Exception:
+        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
+    with contextlib.suppress(AttributeError):
+        error.rank = rank
+    error.add_note(note)
+    return error
+
+
+# ------------------------------ The hang report: where each rank was ---------------------------
+def _stacks(processes: list, files: _RankFiles) -> dict[int, str]:
+    """Every live rank's Python stacks, dumped by faulthandler on _STACK_SIGNAL (from C, so also
+    while C code holds the GIL; a rank that does not answer within a second is left out), and those
+    faulthandler wrote as a rank died of a fatal signal (SIGABRT: NCCL's watchdog)."""
+    stacks = {rank: files.read(rank, "stack") for rank, p in enumerate(processes) if p.exitcode is not None}
+    live = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for rank in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[rank].pid, _STACK_SIGNAL)
+    deadline = time.monotonic() + 1.0
+    while not all(stacks.get(rank) for rank in live) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a dump takes milliseconds: after 0.1 s a non-empty file is whole
+        stacks.update({rank: files.read(rank, "stack") for rank in live})
+    return {rank: text for rank, text in stacks.items() if text or rank in live}
 
 
 def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nccl: bool = False) -> str:
@@ -1688,27 +1726,3 @@ def _in_primary_only_branch(file: str, line: str) -> bool:
         if above.strip() and len(above) - len(above.lstrip()) < indent:
             return above.lstrip().startswith("if") and bool(re.search(r"is_primary|rank\(?\)? *== *0", above))
     return False
-
-
-class _ScriptUnpickler(pickle.Unpickler):
-    """Workers know the main script as __mp_main__: ``except MyError`` around launch() catches theirs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        return super().find_class("__main__" if module == "__mp_main__" else module, name)
-
-
-def _exception_from_report(rank: int, report: dict, located: bool = False) -> BaseException:
-    if "traceback" not in report:
-        return WorkerFailed(report["message"], rank)
-    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
-    if re.search(_TIMED_OUT, report["traceback"]) and not located:
-        note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
-                 " raise it with init_process_group(..., timeout=seconds)).")
-    try:
-        error = _ScriptUnpickler(io.BytesIO(report["exception"])).load()
-    except Exception:
-        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
-    with contextlib.suppress(AttributeError):
-        error.rank = rank
-    error.add_note(note)
-    return error
