@@ -189,7 +189,9 @@ def _check(front: str, spec: _Spec, world_sizes: tuple[int, ...], accum: int | C
     suspects = _suspects(model)
     for world in world_sizes:
         count = accums[world]
-        plan = {"ddp": _Run(spec, world, world, count), "micro": _Run(spec, world, 1, count)}
+        plan = {"ddp": _Run(spec, world, world, count)}
+        if world > 1:  # at world 1 the DDP run is the one process with the same micro-batches
+            plan["micro"] = _Run(spec, world, 1, count)
         if spec.own_step and not spec.mixed_precision:
             plan["scaled"] = _Run(spec, world, 1, count, scale=_SCALE)
         if count > 1:
@@ -200,6 +202,7 @@ def _check(front: str, spec: _Spec, world_sizes: tuple[int, ...], accum: int | C
                 runs[name] = worker_pools().run(run.ranks, _train, run)
             except PoolError as e:
                 raise AssertionError(_pool_failure(_head(world, count), e, suspects)) from None
+        runs.setdefault("micro", runs["ddp"])
         problem = _diagnose(spec, world, count, runs, suspects)
         if problem:
             raise AssertionError(problem)
