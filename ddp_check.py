@@ -367,7 +367,9 @@ def _diagnose(spec: _Spec, world: int, accum: int, runs: dict, suspects: list[st
     with the causes it points to; None when they agree."""
     head = _head(world, accum)
     ddp, micro = runs["ddp"], runs["micro"][0]
-    labelled = [*((f"rank {rank}", record) for rank, record in enumerate(ddp)), ("one process", micro)]
+    labelled = [(f"rank {rank}", record) for rank, record in enumerate(ddp)]
+    if micro is not ddp[0]:  # at world 1 the same run
+        labelled.append(("one process", micro))
     failed = {where: record for where, record in labelled if record["error"]}
     if failed:  # 2
         return _step_failure(head, accum, failed, suspects)
