@@ -181,9 +181,9 @@ class _Run:
 
 def _check(front: str, spec: _Spec, world_sizes: tuple[int, ...], accum: int | Callable[[], int]) -> None:
     accums = _accums(accum, world_sizes, spec.batch_size)
-    model = _check_inputs(front, spec, world_sizes, accums)
+    model, data = _check_inputs(front, spec, world_sizes, accums)
     try:
-        distributed.check_repeatable(spec.make_data())  # cause 1: no run could agree
+        distributed.check_repeatable(data)  # cause 1: no run could agree
     except ValueError as e:
         raise AssertionError(f"DDP cannot train as 1 process does: {e}") from None
     suspects = _suspects(model)
@@ -626,8 +626,10 @@ def _accum_for(accum: int | Callable[[], int], world: int) -> int:
     return count
 
 
-def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...], accums: dict[int, int]) -> nn.Module:
-    """ValueError/TypeError naming the bad value and the fix; returns the model (for the suspects)."""
+def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...],
+                  accums: dict[int, int]) -> tuple[nn.Module, Any]:
+    """ValueError/TypeError naming the bad value and the fix; returns the model (for the suspects) and the data,
+    built once here (a user's make_data may load files; every rank builds its own)."""
     for arg in ("make_model", "make_data", "train_step", "make_optimizer", "after_ddp"):
         if arg != "train_step" or spec.own_step:  # assert_ddp_equivalent checked loss_fn
             _check_importable(arg, getattr(spec, arg))
@@ -645,15 +647,16 @@ def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...], accums:
     if not isinstance(model, nn.Module):
         raise TypeError(f"make_model() must return a torch.nn.Module, got: {type(model).__name__}; return "
                         "the model itself (not a tuple, a state dict or a DDP wrapper built inside)")
+    data = spec.make_data()
+    size = len(data)
     needed = max(world * spec.batch_size * spec.steps * accums[world] for world in world_sizes)
-    size = len(spec.make_data())
     if size < needed:
         raise ValueError(f"make_data() returned {size} samples, fewer than world size x batch_size x steps x accum "
                          f"= {needed}: the ranks would train on padded repeats; return at least {needed} samples, "
                          "or pass smaller world_sizes, batch_size, steps or accum")
     if spec.disable_dropout:
-        return _without_dropout(model)
-    return model
+        return _without_dropout(model), data
+    return model, data
 
 
 def _check_importable(arg: str, fn: Any) -> None:
