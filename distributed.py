@@ -1300,6 +1300,12 @@ class _Workers:
                     if stopping is not None and rank in stopping.killed:
                         raise self._killed_after_grace(stopping)
                     seen_at = time.time()
+                    first = self.files.report(rank)
+                    running = [p.sentinel for p in self.processes if p.exitcode is None]
+                    if running and first is not None and re.search(_COLLATERAL, first["traceback"]):
+                        # gloo closes a failing rank's connections before its exception reaches Python: the
+                        # rank that failed first may still be writing its report. A moment for it to exit.
+                        multiprocessing.connection.wait(running, timeout=1.0)
                     reports = [report for report in map(self.files.report, range(len(self.processes))) if report]
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
                     timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \

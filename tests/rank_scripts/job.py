@@ -68,7 +68,9 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
             optimizer.step()
             ckpt.step()                             # waits in the stop check's all-reduce
         else:
-            torch.distributed.all_reduce(torch.ones(1))  # the user's own call of torch.distributed
+            # The user's own call of torch.distributed, of the stop check's size and dtype: of another size,
+            # gloo may see the mismatch and fail at once instead of waiting (then no rank waits to be reported).
+            torch.distributed.all_reduce(torch.zeros(3, dtype=torch.float64))
     dist.reduce(torch.ones(1))                      # where the healthy ranks wait
     dist.print_primary("job ok")
     dist.cleanup()
