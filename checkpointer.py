@@ -12,6 +12,15 @@ A job stopped by SIGTERM, SIGUSR1 or SIGUSR2 (SLURM's time limit, scancel, preem
 on every rank at the same step and exits 128 + the signal; the same command then resumes it as if never stopped.
 distributed.py's launcher forwards those signals and takes that exit as a stop, not a failure; without this file
 the signals simply end the job. It uses only distributed.py's public names and torch.
+
+On a cluster, ask for the time limit's warning and a requeue, and signal the launcher, not a rank (torchrun's
+agent forwards USR1/USR2 only with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2):
+
+    #!/bin/bash
+    #SBATCH --ntasks=2 --time=04:00:00
+    #SBATCH --signal=USR1@90      # to the srun step (not B:, the batch shell), up to 60 s early: keep --time above
+    #SBATCH --requeue             # the primary asks for a requeue after saving; the rerun resumes
+    srun --kill-on-bad-exit=1 python train.py --snapshot run.pt
 """
 from __future__ import annotations
 
