@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import warnings
 
 # torch's notice, where numpy is missing (a fresh machine, as CI's first run), that it could not load it.
@@ -43,7 +42,7 @@ from hypothesis import HealthCheck, settings
 
 import distributed
 from ddp_check import WorkerPools, worker_pools
-from harness import PROFILE
+from harness import PROFILE, run
 
 # Hypothesis profiles: CI is derandomized (same examples every run); dev explores 5x more.
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
@@ -68,7 +67,7 @@ def slurm_unavailable() -> str | None:
     """Why SLURM tests cannot run here, or None when a local cluster answers."""
     if not shutil.which("srun"):
         return "srun is not installed (CI installs SLURM with `bash .ci/slurm up`)"
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    out = run(["sinfo", "-h", "-o", "%T"], timeout=30)
     # A node busy with another test file's job (pytest.ini runs two at a time) is up: jobs queue for it.
     if out.returncode != 0 or not re.search(r"idle|mix|alloc|completing", out.stdout):
         return f"no SLURM node is up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run `bash .ci/slurm up`"

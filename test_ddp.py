@@ -16,9 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -31,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 import distributed
-from harness import (CLASSES, FEATURES, HERE, SCRIPTS, build_data, build_model, check_training, examples, grad_vector,
-                      loss_fn, one_thread, run_script, task_all_gather, task_eval, task_grads, task_identity,
+from harness import (CLASSES, FEATURES, SCRIPTS, build_data, build_model, check_training, examples, grad_vector,
+                      loss_fn, one_thread, run, task_all_gather, task_eval, task_grads, task_identity,
                       task_readme_evaluate, task_reduce, task_sampler, task_sampler_skip,
                       task_wire_contiguity, readme_snippet, without_numpy)
 
@@ -351,16 +349,15 @@ def test_exactly_one_primary_and_ranks_are_distinct(pools, world):
 def test_the_cpu_suite_hides_the_gpus_from_itself_and_every_process_it_starts():
     """Where GPUs are visible, the suite's ranks would take nccl and `--nprocs 2` would be refused on one GPU:
     conftest.py hides them (CUDA_VISIBLE_DEVICES=) from pytest and every process it starts."""
-    child = run_script(["-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
-                              "torch.cuda.is_available())"], timeout=60)
+    child = run([sys.executable, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                                       "torch.cuda.is_available())"], timeout=60)
     assert child.stdout.split() == ["''", "False"], child.stderr
 
 
 @pytest.mark.slow
 def test_the_gpu_tests_run_only_when_asked_for_and_then_alone():
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                               cwd=HERE, capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "DDP_GPU_TESTS": "1"})
+    collected = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                    env={"DDP_GPU_TESTS": "1"}, timeout=120)
     assert {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line} == {"tests/test_gpu.py"}, \
         collected.stdout[-2000:]
 
@@ -376,7 +373,7 @@ def test_helpers_behave_as_one_process_before_init():
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 def test_print_ranked_prints_one_line_per_rank_in_rank_order_without_numpy(tmp_path, world):
-    out = run_script([str(SCRIPTS / "ranked.py"), str(world)], timeout=120, env=without_numpy(tmp_path))
+    out = run([sys.executable, str(SCRIPTS / "ranked.py"), str(world)], env=without_numpy(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [f"[rank {r}] {'é' * r}|line|{r}" for r in range(world)]
 

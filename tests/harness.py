@@ -282,8 +282,55 @@ def task_sampler_skip(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real processes: run a command with a timeout; find what a process tree left behind
+# Real processes: the one way a test starts one, waits for it, and finds what a process tree left behind
 # ---------------------------------------------------------------------------------------------
+
+
+def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = None, own_session: bool = False,
+          **popen: Any) -> subprocess.Popen:
+    """The one way a test starts a process: ``command`` in ``cwd``, ``env`` added to this process's environment (a
+    None value removes that variable), stdout and stderr captured as text; wait for it with finish() or at_once().
+    ``own_session``: a session and process group of its own, with SIGINT's default disposition, for a process the
+    test signals (a suite started with SIGINT ignored, `nohup python -m pytest &` or some CI runners, would pass
+    that on and the child would not stop). ``popen``: what subprocess.Popen takes besides (stdin, stdout to a
+    file)."""
+    if own_session:
+        popen.update(start_new_session=True, preexec_fn=_default_sigint)
+    environ = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
+    return subprocess.Popen(command, cwd=cwd, env=environ, **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                                                              "text": True, **popen})
+
+
+def run(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = None, timeout: float = 240,
+        input: str | None = None, check: bool = False, **popen: Any) -> subprocess.CompletedProcess:
+    """start()ed and waited for, its result as subprocess.run's: ``input`` goes to its stdin; still running after
+    ``timeout`` is a hang (killed, and the test fails with its output); ``check``: a non-zero exit fails the test."""
+    if input is not None:
+        popen["stdin"] = subprocess.PIPE
+    [done] = at_once([start(command, cwd, env, **popen)], timeout, input)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{command} exited with {done.returncode}: {done.stderr}")
+    return done
+
+
+def finish(procs: list, timeout: float = 60, input: str | None = None) -> list[tuple[int, str, str]]:
+    """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a hang: all
+    are killed and the test fails."""
+    try:
+        outputs = [p.communicate(input, timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"hung, killed after {timeout} s: {[(p.args, *p.communicate()) for p in procs]}") from None
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def at_once(procs: list, timeout: float = 180, input: str | None = None) -> list[subprocess.CompletedProcess]:
+    """Independent commands, started by the caller, run side by side (a run mostly waits on imports and on its
+    peers: a suite run keeps the cores busy less than half the time); each one's result, as subprocess.run's."""
+    results = finish(procs, timeout, input)
+    return [subprocess.CompletedProcess(p.args, code, out, err)
+            for p, (code, out, err) in zip(procs, results, strict=True)]
 
 
 MIN_DDP = SCRIPTS / "min_ddp_driver.py"  # min_ddp.py as a command, with the suite's settings and hooks
@@ -297,49 +344,19 @@ def run_min_ddp(directory: str | os.PathLike, *flags: str, timeout: float = 180,
 
 def start_min_ddp(directory: str | os.PathLike, *flags: str, **env: str) -> subprocess.Popen:
     """run_min_ddp's run, started and not waited for (finish it with at_once)."""
-    return subprocess.Popen([sys.executable, str(MIN_DDP), *flags], cwd=directory, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
-
-
-def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python *args`` in the repository, with a timeout so a hang fails instead of blocking."""
-    return subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return start([sys.executable, str(MIN_DDP), *flags], directory, env)
 
 
 def start_ranks(command: list[str], cwd: str | os.PathLike, world: int = 2, prefixes: list | None = None) -> list:
     """``world`` ranks of ``python *command`` started by hand, as torchrun would (no launcher watching over them);
     ``prefixes[rank]`` goes before a rank's command (``unshare ...``)."""
-    common = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+    common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([*(prefixes or [[]] * world)[rank], sys.executable, *command], cwd=cwd,
-                             env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    return [start([*(prefixes or [[]] * world)[rank], sys.executable, *command], cwd,
+                  {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)]
 
 
-def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
-    """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a hang: all
-    are killed and the test fails."""
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"hung, killed after {timeout} s: {[p.communicate() for p in procs]}") from None
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=False)]
-
-
-def at_once(procs: list, timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Independent commands, started by the caller, run side by side (a run mostly waits on imports and on its
-    peers: a suite run keeps the cores busy less than half the time); each one's result, as subprocess.run's."""
-    results = finish(procs, timeout)
-    return [subprocess.CompletedProcess(p.args, code, out, err)
-            for p, (code, out, err) in zip(procs, results, strict=True)]
-
-
-def default_sigint() -> None:
-    """preexec_fn for a child that a test interrupts: SIGINT's default disposition. A suite started with SIGINT
-    ignored (`nohup python -m pytest &`, some CI runners) would pass that on, and the child would not stop."""
+def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -353,7 +370,7 @@ def free_port() -> int:
 def cannot_run(command: list[str], what: str) -> str | None:
     """None if ``command`` succeeds here, else why not (a skip reason: "{what}: {its stderr}")."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        done = run(command, timeout=30)
     except OSError as e:
         return f"{command[0]} is missing: {e}"
     return None if done.returncode == 0 else f"{what}: {done.stderr.strip()}"
@@ -363,12 +380,12 @@ def wait_for_job(job: str, timeout: float = 240) -> dict[str, str]:
     """Wait until SLURM no longer lists the job (a requeued job is listed while it waits); its fields. Polled
     every 0.5 s: `sbatch --wait` polls at 2, 8 and 32 s, so a 12-s job took 42."""
     deadline = time.monotonic() + timeout
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout.strip():
+    while run(["squeue", "-h", "-j", job], timeout=30).stdout.strip():
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job], timeout=30)
+            run(["scancel", job], timeout=30)
             raise TimeoutError(f"job {job} still listed after {timeout} s")
         time.sleep(0.5)
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    out = run(["scontrol", "show", "job", "-o", job], timeout=30)
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 import ddp_check
 import distributed
-from harness import SCRIPTS, leftover_processes, run_script
+from harness import SCRIPTS, leftover_processes, run
 from ddp_check import assert_ddp_equivalent, assert_step_equivalent
 
 N = 64  # samples: more than max(world_sizes) x batch_size x steps = 3 x 4 x 3
@@ -482,7 +483,7 @@ def test_dataset_smaller_than_the_ranks_need_is_rejected():
 def test_check_runs_from_a_plain_script_and_leaves_no_process(tmp_path):
     script = SCRIPTS / "check_mine.py"
     marker = f"DDP_CHECK_{tmp_path.name}"
-    out = run_script([str(script)], timeout=180, env={marker: "1"})
+    out = run([sys.executable, str(script)], env={marker: "1"}, timeout=180)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 3 and lines[0] == lines[2] == "equivalent", out.stdout

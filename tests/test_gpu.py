@@ -7,7 +7,6 @@ cases run under torchrun as gloo with CUDA tensors; the failure cases under nccl
 """
 from __future__ import annotations
 
-import os
 import re
 import resource
 import subprocess
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import distributed
-from harness import MIN_DDP, SCRIPTS, assert_bitwise_equal, leftover_processes, run_script
+from harness import MIN_DDP, SCRIPTS, assert_bitwise_equal, leftover_processes, run
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device is visible (the CPU suite hides them): run "
@@ -51,17 +50,15 @@ def start_job(tmp_path, *args: str, torchrun: int = 0,
     if torchrun:
         command = [*torchrun_command(torchrun), str(script), *args]
     started = time.monotonic()
-    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
-                         preexec_fn=no_core_dumps, env={**os.environ, "DDP_TEST_MARKER": marker,
-                                                        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
-                                                        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                                                        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                                                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "trace_")})
+    out = run(command, tmp_path, {"DDP_TEST_MARKER": marker, "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
+                                  "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "trace_")},
+              timeout=timeout, preexec_fn=no_core_dumps)
     return out, marker, time.monotonic() - started
 
 
 def test_min_ddp_spawns_one_nccl_rank_per_visible_gpu_and_learns():
-    out = run_script(["min_ddp.py", "--epochs", "2", "--log-every", "1000"], timeout=300)
+    out = run([sys.executable, "min_ddp.py", "--epochs", "2", "--log-every", "1000"], timeout=300)
     assert out.returncode == 0, out.stderr
     backend = "nccl" if GPUS > 1 else "none"
     assert f"world={GPUS} backend={backend} allreduce={backend} device=cuda" in out.stdout, out.stdout
@@ -72,9 +69,11 @@ def test_min_ddp_spawns_one_nccl_rank_per_visible_gpu_and_learns():
 def test_min_ddp_snapshot_saves_and_resumes_on_the_gpu(tmp_path):
     """The saved generator states come back mapped to the GPU; set_rng_state takes CPU bytes only."""
     snapshot = str(tmp_path / "run.pt")
-    first = run_script(["min_ddp.py", "--epochs", "1", "--log-every", "1000", "--snapshot", snapshot], timeout=300)
+    first = run([sys.executable, "min_ddp.py", "--epochs", "1", "--log-every", "1000", "--snapshot", snapshot],
+                timeout=300)
     assert first.returncode == 0, first.stderr
-    resumed = run_script(["min_ddp.py", "--epochs", "2", "--log-every", "1000", "--snapshot", snapshot], timeout=300)
+    resumed = run([sys.executable, "min_ddp.py", "--epochs", "2", "--log-every", "1000", "--snapshot", snapshot],
+                  timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {snapshot} after 1 epoch" in resumed.stdout and "done:" in resumed.stdout, resumed.stdout
 
@@ -98,18 +97,17 @@ def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
     within float32 rounding on 3 or more (the first step after the resume sums in another bucket layout).
     1024 samples per GPU: 16
     steps an epoch at any GPU count, so the stop after step 5 is in epoch 1 on 8 GPUs too."""
-    def run(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
-        return subprocess.run([*torchrun_command(GPUS), str(MIN_DDP), "--epochs", "2", "--batch-size", "64",
-                               "--log-every", "1000", "--check-every", "1", *flags], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300,
-                              env={**os.environ, "TRAIN_SIZE": str(1024 * GPUS), "STOP_AT": stop})
-    straight = run("--save-model", str(tmp_path / "straight.pt"))
+    def train(*flags: str, stop: str = "") -> subprocess.CompletedProcess:
+        return run([*torchrun_command(GPUS), str(MIN_DDP), "--epochs", "2", "--batch-size", "64", "--log-every",
+                    "1000", "--check-every", "1", *flags], tmp_path, {"TRAIN_SIZE": str(1024 * GPUS), "STOP_AT": stop},
+                   timeout=300)
+    straight = train("--save-model", str(tmp_path / "straight.pt"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     snapshot, model = str(tmp_path / "snap.pt"), str(tmp_path / "model.pt")
-    stopped = run("--snapshot", snapshot, "--save-model", model, stop="0:5:SIGUSR1")
+    stopped = train("--snapshot", snapshot, "--save-model", model, stop="0:5:SIGUSR1")
     assert "stopped by SIGUSR1 after 0 epochs and 5 steps; saved to" in stopped.stdout, stopped.stderr[-3000:]
     assert distributed.load_checkpoint(snapshot, map_location="cpu")["ranks"][0]["cuda_rng"] is not None
-    resumed = run("--snapshot", snapshot, "--save-model", model)
+    resumed = train("--snapshot", snapshot, "--save-model", model)
     assert resumed.returncode == 0 and "after 0 epochs and 5 steps" in resumed.stdout, resumed.stderr[-3000:]
     final = distributed.load_checkpoint(model, map_location="cpu")
     straight = distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu")
@@ -124,15 +122,14 @@ def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path):
     """rank_scripts/random_loop.py on one GPU: dropout on CUDA (its Philox generator's state in the snapshot) and a
     random augmentation on the CPU, stopped mid-epoch and resumed: bitwise the uninterrupted run, with
     deterministic kernels (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG, as the README says)."""
-    def run(snapshot: str, out: str, stop: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot),
-                               str(tmp_path / out), "1", "32", str(stop), "--dropout", "0.2"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
-    assert run("never.pt", "straight.pt", 0).returncode == 0
-    stopped = run("snap.pt", "resumed.pt", 5)
+    def loop(snapshot: str, out: str, stop: int) -> subprocess.CompletedProcess:
+        return run([sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
+                    "1", "32", str(stop), "--dropout", "0.2"], tmp_path, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+                   timeout=300)
+    assert loop("never.pt", "straight.pt", 0).returncode == 0
+    stopped = loop("snap.pt", "resumed.pt", 5)
     assert stopped.returncode == 138 and "after 0 epochs and 5 steps" in stopped.stdout, stopped.stderr[-3000:]
-    resumed = run("snap.pt", "resumed.pt", 0)
+    resumed = loop("snap.pt", "resumed.pt", 0)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(torch.load(tmp_path / "resumed.pt.steps"), torch.load(tmp_path / "straight.pt.steps"))
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "resumed.pt", map_location="cpu"),

@@ -19,15 +19,14 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once, default_sigint
+from harness import SCRIPTS, assert_bitwise_equal, at_once, start
 
 
 OWN_LOOP = SCRIPTS / "own_loop.py"
 
 
 def start_own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags], tmp_path)
 
 
 def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.CompletedProcess:
@@ -105,8 +104,7 @@ def signal_once_printed(command: list[str], cwd: Path, line: str, signum: int, g
                         timeout: float = 60) -> tuple[int, str, str, float]:
     """Run ``command``; once it prints ``line``, send it (or its whole process group) ``signum``; then
     (exit code, stdout, stderr, seconds from the signal to the exit)."""
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=default_sigint)
+    proc = start(command, cwd, own_session=True)
     try:
         deadline = time.monotonic() + timeout
         while line not in proc.stdout.readline():

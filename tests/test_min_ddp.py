@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import uuid
 
@@ -30,8 +29,8 @@ import distributed
 import min_ddp
 from ddp_check import assert_step_equivalent
 import min_ddp_cli
-from harness import (CLASSES, FEATURES, HERE, assert_bitwise_equal, at_once, default_sigint, leftover_processes,
-                     one_thread, run_min_ddp, run_script, start_min_ddp, without_numpy)
+from harness import (CLASSES, FEATURES, assert_bitwise_equal, at_once, leftover_processes, one_thread, run,
+                     run_min_ddp, start, start_min_ddp, without_numpy)
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
@@ -200,7 +199,7 @@ def test_reference_loop_sees_a_missing_reshuffle(runs):
 def test_min_ddp_two_processes_through_launch_reaches_90_percent(tmp_path):
     marker = f"DDP_TEST_MARKER={uuid.uuid4().hex}"
     key, value = marker.split("=")
-    out = run_script(["min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
+    out = run([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "2", "--log-every", "64"], env={key: value})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("mode=spawn world=2 backend=gloo allreduce=shared-memory device=cpu")
@@ -223,7 +222,7 @@ def test_min_ddp_saves_and_resumes_on_two_processes_without_numpy(tmp_path):
     """The quick start with --snapshot, in interpreters where numpy cannot be imported: every
     collective (the shared-memory set-up, save_checkpoint, the metrics) must travel as tensors."""
     env = without_numpy(tmp_path)
-    check = run_script(["-c", "import numpy"], env=env)
+    check = run([sys.executable, "-c", "import numpy"], env=env)
     assert check.returncode != 0, "the sitecustomize must hide numpy"
     snapshot = tmp_path / "s.pt"
     flags = ["--nprocs", "2", "--snapshot", str(snapshot), "--log-every", "8"]
@@ -310,9 +309,7 @@ def test_min_ddp_settings_it_cannot_use_are_one_line_without_a_traceback(tmp_pat
 
 @pytest.mark.slow
 def test_min_ddp_ctrl_c_is_one_line_and_exit_code_130():
-    proc = subprocess.Popen([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=default_sigint)
+    proc = start([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], own_session=True)
     try:
         assert proc.stdout.readline().startswith("mode=spawn")  # the workers are training
         os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group

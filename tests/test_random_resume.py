@@ -18,7 +18,7 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once
+from harness import SCRIPTS, assert_bitwise_equal, at_once, start
 
 
 
@@ -26,7 +26,7 @@ def start_random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batc
                       *flags: str) -> subprocess.Popen:
     command = [sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
                str(nprocs), str(batch), str(stop), *flags]
-    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start(command, tmp_path)
 
 
 def random_loop(*args: object) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ in this suite goes through it, and test_ddp.py's training properties draw "gloo"
 from __future__ import annotations
 
 import glob
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import SCRIPTS, build_model, cannot_run, examples, finish, start_ranks, task_train
+from harness import SCRIPTS, build_model, cannot_run, examples, finish, start, start_ranks, task_train
 from shared_memory_allreduce import shared_memory_allreduce
 
 
@@ -102,9 +101,7 @@ def test_a_model_that_is_not_ddp_is_rejected_naming_its_type():
 @pytest.mark.slow
 def test_launch_uses_shared_memory_and_gives_gloos_mean(tmp_path):
     before = our_shm_files()
-    [(code, out, err)] = finish([subprocess.Popen([sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)],
-                                                  cwd=tmp_path, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True)])
+    [(code, out, err)] = finish([start([sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)], tmp_path)])
     assert code == 0, err
     assert "rank 0 hooked=True" in out and "rank 1 hooked=True" in out
     assert out.count("exact=True replicas_equal=True") == 2, out
@@ -158,8 +155,7 @@ def test_ranks_that_do_not_share_dev_shm_keep_gloo(tmp_path):
 @needs_private_shm
 def test_a_dev_shm_too_small_for_the_gradients_keeps_gloo(tmp_path):
     command = [*PRIVATE_SHM, "64k", sys.executable, str(job_script(tmp_path)), "ok", str(WIDE)]
-    [(code, out, err)] = finish([subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True)])
+    [(code, out, err)] = finish([start(command, tmp_path)])
     assert code == 0, err
     assert "rank 0 hooked=False" in out and "rank 1 hooked=False" in out, out
     assert out.count("exact=True replicas_equal=True") == 2, out

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import distributed
-from harness import (HERE, MIN_DDP, assert_bitwise_equal, build_model, cannot_run, run_min_ddp, run_script,
-                      task_save_ddp_state, task_save_expecting_error)
+from harness import (MIN_DDP, assert_bitwise_equal, build_model, cannot_run, run, run_min_ddp, task_save_ddp_state,
+                     task_save_expecting_error)
 
 
 EPOCHS = 3
@@ -212,12 +212,11 @@ def test_torchrun_restart_resumes_from_the_snapshot_bitwise(straight, tmp_path):
     """Rank 1 dies (os._exit) in epoch 2 of torchrun's first attempt; the restart resumes after epoch 1."""
     flags = ["--log-every", "50", "--seed", "5", "--epochs", str(EPOCHS), "--batch-size", "64",
              "--snapshot", str(tmp_path / "snap.pt")]
-    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                          str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **SETTINGS, "CRASH_AT": "1:20"})  # rank 1 after step 20: epoch 2
+    out = run(["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(MIN_DDP), *flags], tmp_path,
+              {**SETTINGS, "CRASH_AT": "1:20"}, timeout=300)  # rank 1 after step 20: epoch 2
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "after 1 epoch" in out.stdout, "the restart must resume"
-    assert "failed (exitcode: 17) local_rank: 1" in out.stderr, "the injected fault must have happened"
+    assert "CRASH_AT: rank 1 exits with 17 after step 20" in out.stderr, "the injected fault must have happened"
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "snap.pt")["model"], straight["model"], "model")
 
 
@@ -293,8 +292,7 @@ def test_snapshot_whose_pickle_runs_code_is_refused(tmp_path):
         distributed.load_checkpoint(path)
     assert not marker.exists(), "loading must not run the payload"
     # Control: the file really is an exploit when loaded the unsafe way.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"],
-                   capture_output=True, timeout=60)
+    run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"], timeout=60)
     assert marker.exists()
 
 
@@ -379,8 +377,8 @@ def test_unsyncable_directory_still_saves_other_sync_errors_fail(tmp_path, fails
     save = f"import distributed, torch; distributed.save_checkpoint({{'version': 2}}, {str(path)!r})"
     inject = f"inject=fsync:error={error}:when={2 if fails == 'directory' else 1}"
     # --seccomp-bpf stops the process at fsync only: traced at every syscall, torch's import took 3x longer.
-    out = subprocess.run(["strace", "-f", "--seccomp-bpf", "-o", "/dev/null", "-e", "trace=fsync", "-e", inject,
-                          sys.executable, "-c", save], cwd=HERE, capture_output=True, text=True, timeout=120)
+    out = run(["strace", "-f", "--seccomp-bpf", "-o", "/dev/null", "-e", "trace=fsync", "-e", inject, sys.executable,
+               "-c", save], timeout=120)
     assert (out.returncode == 0) == saved, out.stderr
     assert saved or f"cannot write the snapshot ({os.strerror(getattr(errno, error))})" in out.stderr, out.stderr
     # Never a half-written file: the new snapshot once renamed (even if the directory's sync then
@@ -393,19 +391,19 @@ def read_only_dir(tmp_path):
     """A real read-only file system (root ignores permission bits): a tmpfs remounted ro."""
     mount = tmp_path / "ro"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)]).returncode != 0:
+    if run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], timeout=30).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield mount
     finally:
-        subprocess.run(["umount", "-l", str(mount)])
+        run(["umount", "-l", str(mount)], timeout=30)
 
 
 @pytest.mark.slow
 def test_read_only_directory_keeps_the_previous_snapshot(read_only_dir, pools):
     path = read_only_dir / "snap.pt"
     distributed.save_checkpoint(versioned_state(1), path)
-    subprocess.run(["mount", "-o", "remount,ro", str(read_only_dir)], check=True)
+    run(["mount", "-o", "remount,ro", str(read_only_dir)], timeout=30, check=True)
     with pytest.raises(OSError, match="Read-only file system"):
         distributed.save_checkpoint(versioned_state(2), path)
     assert distributed.load_checkpoint(path)["version"] == 1
@@ -413,5 +411,5 @@ def test_read_only_directory_keeps_the_previous_snapshot(read_only_dir, pools):
     messages = pools.run(2, task_save_expecting_error, {"path": str(path)}, timeout=60)
     assert all("cannot write the snapshot" in m for m in messages), messages
     # min_ddp refuses such a path before training, not after hours of it.
-    out = run_script(["min_ddp.py", "--snapshot", str(read_only_dir / "run.pt")], timeout=60)
+    out = run([sys.executable, "min_ddp.py", "--snapshot", str(read_only_dir / "run.pt")], timeout=60)
     assert out.returncode == 2 and f"{read_only_dir} is missing or read-only" in out.stderr, out.stderr

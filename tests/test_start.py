@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from harness import SCRIPTS, cannot_run, free_port
+from harness import SCRIPTS, cannot_run, free_port, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +38,11 @@ class Rank:
     def __init__(self, rank: int, world: int, port: int, tmp, *, netns: str | None = None, prefix=(), **env: str):
         self.out, self.err = tmp / f"rank{rank}-{port}.out", tmp / f"rank{rank}-{port}.err"
         inside = ["ip", "netns", "exec", netns] if netns else []
-        environ = {**{k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"},
-                   "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+        environ = {"GLOO_SOCKET_IFNAME": None, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env}
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.process = subprocess.Popen([*inside, *prefix, sys.executable, str(SCRIPTS / "start.py")],
-                                            env=environ, stdout=out, stderr=err)
+            self.process = start([*inside, *prefix, sys.executable, str(SCRIPTS / "start.py")], env=environ,
+                                 stdout=out, stderr=err)
         self.started = time.monotonic()
 
     def said(self, text: str, within: float) -> float | None:
@@ -94,13 +93,13 @@ def hosts():
              ["ip", "-n", a, "neigh", "replace", HOLE, "lladdr", "02:00:00:00:00:99", "dev", va, "nud", "permanent"]]
     try:
         for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            done = run(step, timeout=30)
             if done.returncode:
                 pytest.skip(f"cannot build two network namespaces ({' '.join(step)}: {done.stderr.strip()})")
         yield {"A": a, "B": b, "iface": va}
     finally:
         for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            run(["ip", "netns", "del", ns], timeout=30)
 
 
 def rank0_late(tmp):

@@ -27,7 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 import checkpointer
 import distributed
-from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run_min_ddp, start_ranks,
+from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, start, start_ranks,
                      wait_for_job)
 
 
@@ -38,7 +38,8 @@ SETTINGS = {"FLOAT64": "1", "TRAIN_SIZE": "2048"}
 CODES = {"SIGTERM": 143, "SIGUSR1": 138, "SIGUSR2": 140}
 
 
-def run(tmp_path: Path, *flags: str, stop_at: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
+def run_driver(tmp_path: Path, *flags: str, stop_at: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
+    """min_ddp's driver run in float64 on 2048 samples, stopped as ``stop_at`` says (rank:step:signal)."""
     return run_min_ddp(tmp_path, *flags, timeout=timeout, STOP_AT=stop_at, **SETTINGS)
 
 
@@ -50,7 +51,7 @@ def driver_command(tmp_path: Path, *flags: str) -> list[str]:
 def uninterrupted(tmp_path_factory) -> tuple[dict, str, str]:
     """The reference: the same run, never stopped (its final model, its last line less the speed, its output)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    out = run(tmp, *FLAGS, "--save-model", str(tmp / "model.pt"))
+    out = run_driver(tmp, *FLAGS, "--save-model", str(tmp / "model.pt"))
     assert out.returncode == 0, out.stderr
     return distributed.load_checkpoint(tmp / "model.pt"), done_line(out.stdout), out.stdout
 
@@ -84,12 +85,12 @@ def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterr
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt"),
              *EXTRA.get(scenario, [])]
     for stop_at, where in SCENARIOS[scenario]:
-        out = run(tmp_path, *flags, stop_at=stop_at)
+        out = run_driver(tmp_path, *flags, stop_at=stop_at)
         assert f"stopped by {where}; saved to {tmp_path / 'snap.pt'}" in out.stdout, out.stdout + out.stderr
         assert out.returncode == CODES[where.split()[0]], out.stderr
         assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr
         assert not (tmp_path / "model.pt").exists(), "a stopped run must not write the final model"
-    out = run(tmp_path, *flags)
+    out = run_driver(tmp_path, *flags)
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
@@ -100,7 +101,7 @@ def test_stop_on_a_signal_to_one_rank_resumes_to_the_bitwise_same_model(uninterr
 def stopped_at_step_7(tmp_path_factory) -> Path:
     """The snapshot of FLAGS's run stopped by SIGTERM to rank 0 after 0 epochs and 7 steps (global batch 128)."""
     tmp = tmp_path_factory.mktemp("stopped-at-7")
-    assert run(tmp, *FLAGS, "--snapshot", str(tmp / "snap.pt"), stop_at="0:7:SIGTERM").returncode == 143
+    assert run_driver(tmp, *FLAGS, "--snapshot", str(tmp / "snap.pt"), stop_at="0:7:SIGTERM").returncode == 143
     return tmp / "snap.pt"
 
 
@@ -126,7 +127,7 @@ def test_mid_epoch_stop_resumes_at_another_world_with_same_global_batch(uninterr
     shutil.copy(stopped_at_step_7, tmp_path / "snap.pt")
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
     flags[1], flags[flags.index("--batch-size") + 1] = str(world), batch
-    out = run(tmp_path, *flags)
+    out = run_driver(tmp_path, *flags)
     assert out.returncode == 0, out.stderr
     assert f"resumed from {tmp_path / 'snap.pt'} after 0 epochs and 7 steps (saved at world size 2)" in out.stdout
     assert f"done: world={world} epochs=2" in out.stdout
@@ -143,7 +144,7 @@ def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_
     snap = str(shutil.copy(stopped_at_step_7, tmp_path / "snap.pt"))
     other = [*FLAGS, "--snapshot", snap]
     other[1], other[other.index("--batch-size") + 1] = "1", "64"
-    out = run(tmp_path, *other)
+    out = run_driver(tmp_path, *other)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert (f"min_ddp: the snapshot {snap} stopped after 0 epochs and 7 steps with a global batch (batch size x "
             "grad_accum x processes) of 128 samples, and this run's is 64: the rest of the epoch continues only "
@@ -152,7 +153,7 @@ def test_mid_epoch_resume_at_another_global_batch_is_refused_with_a_fix(stopped_
 
 @pytest.mark.slow
 def test_without_snapshot_a_stop_still_ends_every_rank_at_one_step(tmp_path):
-    out = run(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
+    out = run_driver(tmp_path, *FLAGS, stop_at="1:2:SIGUSR2")
     assert out.returncode == 140, out.stderr
     assert "stopped by SIGUSR2 after 0 epochs and 2 steps; not saved (no snapshot path)" in out.stdout
 
@@ -163,7 +164,7 @@ def test_snapshot_only_some_ranks_see_fails_every_rank_naming_the_fix(tmp_path):
     the other fresh would drift silently, so every rank fails, saying where the snapshot must be. The ranks are
     started by hand: a launcher would stop the second rank to fail before it could show its own error."""
     script = SCRIPTS / "node_local.py"
-    one = subprocess.run([sys.executable, str(script), str(tmp_path), "1"], capture_output=True, text=True, timeout=60)
+    one = run([sys.executable, str(script), str(tmp_path), "1"], timeout=60)
     assert one.returncode == 0 and (tmp_path / "node0" / "snap.pt").exists(), one.stderr
     for rank, (code, _, err) in enumerate(finish(start_ranks([str(script), str(tmp_path), "2"], tmp_path))):
         assert code == 1 and (f"the ranks found different snapshots at {tmp_path / f'node{rank}' / 'snap.pt'} (rank 0: "
@@ -201,8 +202,7 @@ def test_a_snapshot_holding_a_setting_this_run_does_not_give_is_refused(tmp_path
     with pytest.raises(ValueError, match=r"belongs to another run: --warmup: 100 there, not given here"):
         checkpointer.Checkpointer(path, torch.nn.Linear(2, 1), batch_size=64,
                                   settings={"--seed": 0, "--lr": 0.01, "--train-size": 16384})
-    out = subprocess.run([sys.executable, "min_ddp.py", "--nprocs", "1", "--epochs", "1", "--snapshot", str(path)],
-                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    out = run([sys.executable, "min_ddp.py", "--nprocs", "1", "--epochs", "1", "--snapshot", str(path)], timeout=120)
     assert out.returncode == 1, out.stderr
     assert f"min_ddp: the snapshot {path} belongs to another run: --warmup: 100 there, not given here" in out.stderr
 
@@ -217,15 +217,15 @@ def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, 
                                          "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
     assert code == -signal.SIGTERM, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err and "failed" not in err, err
-    assert run(tmp_path, *flags).returncode == 0
+    assert run_driver(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
 
 def signal_once_printed(command: list[str], cwd: Path, line: str, send: Callable[[int], None],
-                        timeout: float = 60) -> tuple[int, str, str]:
-    """Run ``command``; once it prints ``line``, ``send(its pid)``; then (exit code, stdout, stderr)."""
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **SETTINGS})
+                        timeout: float = 60, env: dict | None = None) -> tuple[int, str, str]:
+    """Run ``command`` (SETTINGS and ``env`` added); once it prints ``line``, ``send(its pid)``; then (exit code,
+    stdout, stderr)."""
+    proc = start(command, cwd, {**SETTINGS, **(env or {})}, own_session=True)
     try:
         assert line in wait_for_line(proc, line), f"{command} never printed {line!r}"
         send(proc.pid)
@@ -290,8 +290,7 @@ def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterru
                                               "1"], tmp_path, line, lambda pid, signum=signum: os.kill(pid, signum))
         assert f"stopped by {signum.name}" in out, out + err
         assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
-    out = subprocess.run([*torchrun, str(MIN_DDP), *flags], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=180, env={**os.environ, **SETTINGS})
+    out = run([*torchrun, str(MIN_DDP), *flags], tmp_path, SETTINGS, timeout=180)
     assert out.returncode == 0, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
@@ -303,7 +302,7 @@ SMALL_BATCHES = [*FLAGS[:-2], "--batch-size", "16", "--check-every", "100"]  # t
 def uninterrupted_small_batches(tmp_path_factory) -> dict:
     """2 epochs of 64 steps (batch 16): the stop check at --check-every 100 comes in epoch 2."""
     tmp = tmp_path_factory.mktemp("small-batches")
-    out = run(tmp, *SMALL_BATCHES, "--save-model", str(tmp / "model.pt"))
+    out = run_driver(tmp, *SMALL_BATCHES, "--save-model", str(tmp / "model.pt"))
     assert out.returncode == 0, out.stderr
     return distributed.load_checkpoint(tmp / "model.pt")
 
@@ -317,16 +316,13 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
     forkserver (Python 3.14's default) they are its children: its death would end them."""
     flags = [*SMALL_BATCHES, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
-    os.environ["START_METHOD"] = start_method  # signal_once_printed passes os.environ on
-    try:
-        code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                             "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1))
-    finally:
-        del os.environ["START_METHOD"]
+    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                         "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1),
+                                         env={"START_METHOD": start_method})
     assert "stopped by SIGUSR1 after 1 epoch and 36 steps" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err
     flags[flags.index("--workers") + 1] = "0"  # the resume needs no loader workers: the stop was the test
-    assert run(tmp_path, *flags).returncode == 0
+    assert run_driver(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), uninterrupted_small_batches, "final model")
 
 
@@ -342,9 +338,8 @@ def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
     """Submit min_ddp as a 2-task batch job that may be requeued; its id."""
     flags = [*FLAGS[2:], "--snapshot", "snap.pt", "--save-model", "model.pt", "--log-every", "1"]
     (tmp_path / "job.sbatch").write_text(SBATCH.format(command=" ".join(driver_command(tmp_path, *flags))))
-    out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm.out", *options,
-                          str(tmp_path / "job.sbatch")], capture_output=True, text=True, timeout=30,
-                         env={**os.environ, **SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run)})
+    out = run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm.out", *options,
+               str(tmp_path / "job.sbatch")], env={**SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run)}, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -378,15 +373,14 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
     while "[global] epoch 1 step 2/16" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline, f"job {job} never reached step 2"
         time.sleep(0.2)
-    subprocess.run(["scancel", job], check=True, timeout=30)
+    run(["scancel", job], timeout=30, check=True)
     info = wait_for_job(job)
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log.read_text()
     text = log.read_text()
     assert re.search(r"stopped by SIGTERM after \d+ epochs? and \d+ steps?;", text) and "requeued" not in text, text
     rerun = ["srun", "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]), "--snapshot", "snap.pt",
              "--save-model", "model.pt"]
-    out = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, **SETTINGS})
+    out = run(rerun, tmp_path, SETTINGS, timeout=180)
     assert out.returncode == 0 and "resumed from snap.pt" in out.stdout, out.stderr
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
 
@@ -395,9 +389,9 @@ def test_scancel_saves_and_is_not_requeued(slurm, uninterrupted, tmp_path):
 def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(slurm, tmp_path):
     """In a container without scontrol the requeue cannot be asked for: min_ddp says so and every rank
     exits 75 (EX_TEMPFAIL), the code slurm.conf's RequeueExit=75 requeues on."""
-    env = {**os.environ, **SETTINGS, "STOP_AT": "1:3:SIGUSR1", "PATH": str(Path(sys.executable).parent)}  # no scontrol
-    out = subprocess.run([shutil.which("srun"), "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]),
-                          "--snapshot", "snap.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    env = {**SETTINGS, "STOP_AT": "1:3:SIGUSR1", "PATH": str(Path(sys.executable).parent)}  # no scontrol
+    out = run([shutil.which("srun"), "-n", "2", "-c", "1", *driver_command(tmp_path, *FLAGS[2:]), "--snapshot",
+               "snap.pt"], tmp_path, env, timeout=180)
     assert out.returncode == 75, out.stderr
     assert "stopped by SIGUSR1 after 0 epochs and 3 steps; saved to snap.pt; could not requeue" in out.stdout
     assert re.search(r"requeue: scontrol is not on PATH here, so job \d+ is not requeued", out.stderr), out.stderr
@@ -521,9 +515,8 @@ def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path,
     every rank's next answer is SIGUSR1. Before, the first call raised "the stop signals are not handled here"."""
     if launcher == "torchrun" and not shutil.which("torchrun"):
         pytest.skip("torchrun is not on PATH")
-    start = {"launch": [sys.executable], "torchrun": ["torchrun", "--standalone", "--nproc_per_node=2"]}[launcher]
-    proc = subprocess.Popen([*start, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    starter = {"launch": [sys.executable], "torchrun": ["torchrun", "--standalone", "--nproc_per_node=2"]}[launcher]
+    proc = start([*starter, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], tmp_path)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and proc.poll() is None:
         assert time.monotonic() < deadline, "the ranks never asked"
@@ -542,13 +535,12 @@ def test_a_rank_is_found_by_its_process_name_and_signalled(tmp_path):
     """launch()'s ranks show the forkserver's command line, so `ps | grep train.py` finds only the launcher; each
     rank is named <script>:r<rank>, and the README's `pgrep -o -x asks_to_stop:r1` finds rank 1 (the oldest of
     that name: its loader workers inherit it). Signalled that way, every rank answers."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start([sys.executable, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], tmp_path)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and proc.poll() is None:
         assert time.monotonic() < deadline, "the ranks never asked"
         time.sleep(0.1)
-    found = subprocess.run(["pgrep", "-o", "-x", "asks_to_stop:r1"], capture_output=True, text=True, timeout=30)
+    found = run(["pgrep", "-o", "-x", "asks_to_stop:r1"], timeout=30)
     if proc.poll() is None and found.returncode == 0:
         os.kill(int(found.stdout), signal.SIGUSR1)
     [(code, out, err)] = finish([proc], timeout=60)

@@ -14,7 +14,7 @@ import time
 import torch
 
 import checkpointer
-import distributed as dist
+import distributed
 
 
 def spin():
@@ -28,9 +28,9 @@ def abort_here():
 
 
 def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
-    dist.init_process_group(local_rank, world_size, timeout=timeout)
-    dist.reduce(torch.ones(1))                      # everyone is connected
-    rank = dist.get_rank()
+    distributed.init_process_group(local_rank, world_size, timeout=timeout)
+    distributed.reduce(torch.ones(1))               # everyone is connected
+    rank = distributed.get_rank()
     with open(os.path.join(ready_dir, f"ready{rank}"), "w") as f:
         f.write(str(os.getppid()))
     if behaviour == "raise" and rank == bad_rank:
@@ -51,9 +51,9 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     if behaviour == "read" and rank == bad_rank:
         os.read(os.pipe()[0], 1)                    # blocked in a C call, forever
     if behaviour == "primary-only":
-        if dist.is_primary():
-            dist.reduce(torch.ones(1))              # a collective on the primary alone
-        dist.barrier()
+        if distributed.is_primary():
+            distributed.reduce(torch.ones(1))       # a collective on the primary alone
+        distributed.barrier()
     if behaviour == "abort" and rank == bad_rank:
         abort_here()                                # as NCCL's watchdog aborts a rank (SIGABRT)
     if behaviour == "leave" and rank == bad_rank:
@@ -71,9 +71,9 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
             # The user's own call of torch.distributed, of the stop check's size and dtype: of another size,
             # gloo may see the mismatch and fail at once instead of waiting (then no rank waits to be reported).
             torch.distributed.all_reduce(torch.zeros(3, dtype=torch.float64))
-    dist.reduce(torch.ones(1))                      # where the healthy ranks wait
-    dist.print_primary("job ok")
-    dist.cleanup()
+    distributed.reduce(torch.ones(1))               # where the healthy ranks wait
+    distributed.print_primary("job ok")
+    distributed.cleanup()
 
 
 if __name__ == "__main__":
@@ -83,5 +83,5 @@ if __name__ == "__main__":
         threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     if os.environ.get("LAUNCHER_SEES_CUDA"):
         torch.cuda.is_available = lambda: True      # the launcher's view only: the ranks import torch afresh
-    dist.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs,
-                grace=float(os.environ.get("GRACE", 25)))
+    distributed.launch(worker, behaviour, bad_rank, timeout, os.environ["READY_DIR"], nprocs=nprocs,
+                       grace=float(os.environ.get("GRACE", 25)))

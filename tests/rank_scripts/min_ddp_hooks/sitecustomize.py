@@ -47,7 +47,11 @@ if os.environ.get("START_METHOD"):  # e.g. forkserver, Python 3.14's default: se
     distributed.init_process_group = forced
 if os.environ.get("CRASH_AT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     rank, step = map(int, os.environ["CRASH_AT"].split(":"))
-    register_optimizer_step_post_hook(lambda optimizer, *args: distributed.get_rank() == rank and
-                                      optimizer.steps_here == step and os._exit(17))
+    def crash(optimizer, *args):
+        if distributed.get_rank() == rank and optimizer.steps_here == step:
+            # Said first: torchrun reports whichever rank's failure it sees first, often the peer's.
+            print(f"CRASH_AT: rank {rank} exits with 17 after step {step}", file=sys.stderr, flush=True)
+            os._exit(17)
+    register_optimizer_step_post_hook(crash)
 if os.environ.get("SLOW_FIRST_RUN") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
     register_optimizer_step_post_hook(lambda *args: time.sleep(float(os.environ["SLOW_FIRST_RUN"])))
