@@ -336,7 +336,7 @@ def test_nested_function_is_rejected_before_spawning():
 @pytest.mark.slow
 def test_script_without_main_guard_is_rejected(tmp_path):
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import sys; sys.path.insert(0, {HERE!r})\nimport distributed\n"
+    script.write_text("import distributed\n"
                       "def worker(rank, world):\n    pass\n"
                       "distributed.launch(worker, nprocs=2)\n")
     out = run([sys.executable, str(script)], timeout=60)
@@ -348,10 +348,9 @@ def test_script_without_main_guard_is_rejected(tmp_path):
 def test_script_read_from_stdin_is_rejected_before_spawning(tmp_path):
     # The worker is importable, but spawn would make every process run "<stdin>" as a file.
     (tmp_path / "stdin_worker.py").write_text("def worker(rank, world):\n    pass\n")
-    script = (f"import sys; sys.path[:0] = [{HERE!r}, {str(tmp_path)!r}]\n"
-              "import distributed, stdin_worker\n"
+    script = ("import distributed, stdin_worker\n"
               "if __name__ == '__main__':\n    distributed.launch(stdin_worker.worker, nprocs=2)\n")
-    out = run([sys.executable, "-"], input=script, timeout=60)
+    out = run([sys.executable, "-"], tmp_path, input=script, timeout=60)  # `python -` imports from its cwd
     assert out.returncode == 1
     assert "the main script is '<stdin>', not a file" in out.stderr, out.stderr
 
