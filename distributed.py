@@ -284,10 +284,6 @@ def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
     _refuse_iterable(dataset, "seeded_dataset")
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and not hasattr(numpy.random, "set_bit_generator"):  # how a read swaps numpy's generator
-        raise RuntimeError(f"seeded_dataset needs numpy >= 1.25 where numpy is installed, got: {numpy.__version__}; "
-                           "pip install -U numpy")
     return _SeededDataset(dataset, seed)
 
 
@@ -1005,22 +1001,29 @@ class _SeededDataset(Dataset):
         torch_state, python_state = cpu.get_state(), random.getstate()
         cpu.manual_seed(seed)
         random.seed(seed)
-        if numpy is not None:  # numpy's own generator swapped in: copying numpy's state out and back costs 70 us
-            callers = numpy.random.get_bit_generator()
-            numpy.random.set_bit_generator(self._numpy_bits(numpy))
+        if numpy is not None:
+            numpy_callers = self._seat_numpy_generator(numpy)
             numpy.random.seed(seed & 0xFFFFFFFF)
         try:
             return self.dataset[index]
         finally:  # the training loop's draws (dropout) go on as if no item had been read
             cpu.set_state(torch_state)
             random.setstate(python_state)
-            if numpy is not None:
-                numpy.random.set_bit_generator(callers)
+            if numpy is not None and isinstance(numpy_callers, tuple):  # numpy < 1.24: its state, copied
+                numpy.random.set_state(numpy_callers)
+            elif numpy is not None:
+                numpy.random.set_bit_generator(numpy_callers)
 
-    def _numpy_bits(self, numpy: Any) -> Any:
+    def _seat_numpy_generator(self, numpy: Any) -> Any:
+        """This wrapper's own MT19937 as numpy's global bit generator; what was there, for the read's end. Swapped,
+        not copied: numpy's get_state + set_state cost 70 us a read. numpy < 1.24 cannot swap: its state, copied."""
+        if not hasattr(numpy.random, "set_bit_generator"):
+            return numpy.random.get_state()
         if self._bits is None:
             self._bits = numpy.random.MT19937()
-        return self._bits
+        callers = numpy.random.get_bit_generator()
+        numpy.random.set_bit_generator(self._bits)
+        return callers
 
     def __getattr__(self, name: str) -> Any:
         if name in ("dataset", "seed", "_epoch", "_bits") or name.startswith("__"):  # not set yet (unpickling)

@@ -542,9 +542,10 @@ def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     first = data[1]
     caller = np.random.rand(2)
     assert (caller == expected).all(), "the caller's numpy stream moved"
-    bits = np.random.get_bit_generator()
-    data[3]
-    assert np.random.get_bit_generator() is bits, "the caller's numpy generator was replaced"
+    if hasattr(np.random, "get_bit_generator"):  # numpy >= 1.24, where a read swaps generators instead of copying
+        bits = np.random.get_bit_generator()
+        data[3]
+        assert np.random.get_bit_generator() is bits, "the caller's numpy generator was replaced"
     assert torch.equal(first, data[1]) and not torch.equal(data[1] - 1, data[2] - 2)
     loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[1, 1], num_workers=2)
     assert all(torch.equal(batch[0], first) for batch in loader)
