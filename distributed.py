@@ -999,12 +999,12 @@ class _SeededDataset(Dataset):
                 numpy.random.seed(seed & 0xFFFFFFFF)
             return self.dataset[index]
         torch_state, python_state = cpu.get_state(), random.getstate()
-        cpu.manual_seed(seed)
-        random.seed(seed)
-        if numpy is not None:
-            numpy_callers = self._seat_numpy_generator(numpy)
-            numpy.random.seed(seed & 0xFFFFFFFF)
+        numpy_callers = self._seat_numpy_generator(numpy) if numpy is not None else None
         try:
+            cpu.manual_seed(seed)
+            random.seed(seed)
+            if numpy is not None:
+                numpy.random.seed(seed & 0xFFFFFFFF)
             return self.dataset[index]
         finally:  # the training loop's draws (dropout) go on as if no item had been read
             cpu.set_state(torch_state)

@@ -326,8 +326,8 @@ def finish(procs: list, timeout: float = 60, input: str | None = None) -> list[t
 
 
 def at_once(procs: list, timeout: float = 180, input: str | None = None) -> list[subprocess.CompletedProcess]:
-    """Independent commands, started by the caller, run side by side (a run mostly waits on imports and on its
-    peers: a suite run keeps the cores busy less than half the time); each one's result, as subprocess.run's."""
+    """Independent commands, started by the caller, run side by side (one run waits on its peers, on signals and on
+    SLURM; side by side they keep both cores busy); each one's result, as subprocess.run's."""
     results = finish(procs, timeout, input)
     return [subprocess.CompletedProcess(p.args, code, out, err)
             for p, (code, out, err) in zip(procs, results, strict=True)]
