@@ -999,7 +999,7 @@ class _SeededDataset(Dataset):
                 numpy.random.seed(seed & 0xFFFFFFFF)
             return self.dataset[index]
         torch_state, python_state = cpu.get_state(), random.getstate()
-        numpy_callers = self._seat_numpy_generator(numpy) if numpy is not None else None
+        give_numpy_back = self._seat_numpy_generator(numpy) if numpy is not None else None
         try:
             cpu.manual_seed(seed)
             random.seed(seed)
@@ -1009,21 +1009,20 @@ class _SeededDataset(Dataset):
         finally:  # the training loop's draws (dropout) go on as if no item had been read
             cpu.set_state(torch_state)
             random.setstate(python_state)
-            if numpy is not None and isinstance(numpy_callers, tuple):  # numpy < 1.24: its state, copied
-                numpy.random.set_state(numpy_callers)
-            elif numpy is not None:
-                numpy.random.set_bit_generator(numpy_callers)
+            if give_numpy_back is not None:
+                give_numpy_back()
 
-    def _seat_numpy_generator(self, numpy: Any) -> Any:
-        """This wrapper's own MT19937 as numpy's global bit generator; what was there, for the read's end. Swapped,
+    def _seat_numpy_generator(self, numpy: Any) -> Callable[[], None]:
+        """This wrapper's own MT19937 as numpy's global bit generator; returns what gives the caller's back. Swapped,
         not copied: numpy's get_state + set_state cost 70 us a read. numpy < 1.24 cannot swap: its state, copied."""
         if not hasattr(numpy.random, "set_bit_generator"):
-            return numpy.random.get_state()
+            state = numpy.random.get_state()
+            return lambda: numpy.random.set_state(state)
         if self._bits is None:
             self._bits = numpy.random.MT19937()
         callers = numpy.random.get_bit_generator()
         numpy.random.set_bit_generator(self._bits)
-        return callers
+        return lambda: numpy.random.set_bit_generator(callers)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("dataset", "seed", "_epoch", "_bits") or name.startswith("__"):  # not set yet (unpickling)

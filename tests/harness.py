@@ -296,9 +296,10 @@ def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = 
     file)."""
     if own_session:
         popen.update(start_new_session=True, preexec_fn=_default_sigint)
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
     environ = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
-    return subprocess.Popen(command, cwd=cwd, env=environ, **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                                                              "text": True, **popen})
+    return subprocess.Popen(command, cwd=cwd, env=environ, text=True, **popen)
 
 
 def run(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = None, timeout: float = 240,
