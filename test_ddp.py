@@ -523,18 +523,27 @@ def test_a_generator_the_dataset_owns_is_named_and_reached_per_sample():
     assert not torch.equal(data[1] - 1, data[2] - 2)
 
 
+class NumpyNoise(torch.utils.data.Dataset):
+    """Augments with numpy's global generator (imported only by the tests that use it)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import numpy
+        return torch.tensor(numpy.random.rand(3)) + index
+
+
+def seat_pcg64(worker_id: int) -> None:
+    """A worker_init_fn giving a loader worker numpy's recommended PCG64 as its global bit generator."""
+    import numpy
+    numpy.random.set_bit_generator(numpy.random.PCG64(worker_id))
+
+
 def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     """A dataset augmenting with numpy's global generator (older albumentations, imgaug, many users' own): each item
     reads the same twice, in a loader worker as in the process, and the caller's numpy stream goes on untouched."""
     np = pytest.importorskip("numpy")
-
-    class NumpyNoise(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 4
-
-        def __getitem__(self, index: int) -> torch.Tensor:
-            return torch.tensor(np.random.rand(3)) + index
-
     data = distributed.seeded_dataset(NumpyNoise(), seed=2)
     np.random.seed(11)
     expected = np.random.rand(2)
@@ -549,6 +558,24 @@ def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     assert torch.equal(first, data[1]) and not torch.equal(data[1] - 1, data[2] - 2)
     loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[1, 1], num_workers=2)
     assert all(torch.equal(batch[0], first) for batch in loader)
+
+
+def test_seeded_dataset_numpy_draws_ignore_which_global_bit_generator_is_seated():
+    """A PCG64 seated as numpy's global generator (a worker_init_fn, or the main process): items read the same as
+    under the default MT19937. Before, a worker reseeded the PCG64 and drew other numbers than the main process."""
+    np = pytest.importorskip("numpy")
+    if not hasattr(np.random, "set_bit_generator"):
+        pytest.skip(f"numpy {np.__version__} has no set_bit_generator (added in 1.24): its global is always MT19937")
+    data = distributed.seeded_dataset(NumpyNoise(), seed=4)
+    expected = [data[i] for i in range(4)]
+    callers = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(1))
+        assert all(torch.equal(data[i], expected[i]) for i in range(4)), "the main process drew otherwise"
+    finally:
+        np.random.set_bit_generator(callers)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2, worker_init_fn=seat_pcg64)
+    assert all(torch.equal(item, expected[i]) for i, item in enumerate(loader)), "a PCG64 worker drew otherwise"
 
 
 @pytest.mark.parametrize("call", ["data_sampler", "seeded_dataset"])
