@@ -271,7 +271,8 @@ def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
     random augmentation on any rank, in any loader worker, before or after a resume, at any world size; a new one
     each epoch. In the main process the caller's generators go on as if no item had been read (CUDA's are never
     touched; of numpy's, only a normal np.random.randn held back from an odd draw is drawn anew); a loader worker's
-    are its own (numpy's global there is the wrapper's MT19937, whatever a worker_init_fn seated). Wrap it before data_sampler, whose ``set_epoch`` passes the epoch on.
+    are its own (numpy's global there is the wrapper's MT19937, whatever a worker_init_fn seated). Wrap it before
+    data_sampler, whose ``set_epoch`` passes the epoch on.
 
     A generator the dataset owns (albumentations >= 1.4.21 and MONAI keep an np.random.Generator) is out of
     reach: seed it per item from the item's seed, ``torch.initial_seed()`` inside ``__getitem__``::
