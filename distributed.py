@@ -74,7 +74,7 @@ import threading
 import time
 import traceback
 from typing import Any, NamedTuple
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -988,31 +988,36 @@ class _SeededDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: Any) -> Any:
-        # blake2b: a seed of 63 bits from the three numbers, the same in every process (unlike hash()).
-        key = f"{self.seed}/{int(self._epoch)}/{index}".encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        return self.__getitems__((index,))[0]
+
+    def __getitems__(self, indices: Sequence[Any]) -> list:
+        """The items at ``indices``, each read under its own seeds. A DataLoader reads a batch through this: in the
+        main process the caller's generators are saved and given back once a batch, not once an item."""
         numpy = sys.modules.get("numpy")  # seeded where the process has it, never imported: numpy stays optional
-        cpu = torch.default_generator  # not torch.manual_seed, which reseeds every CUDA device too (100 us)
         if torch.utils.data.get_worker_info() is not None:  # a loader worker's generators are its own
-            cpu.manual_seed(seed)
-            random.seed(seed)
             if numpy is not None:
                 self._keep_numpy_generator_seated(numpy)
-                numpy.random.seed(seed & 0xFFFFFFFF)
-            return self.dataset[index]
+            return [self._seeded_read(index, numpy) for index in indices]
+        cpu = torch.default_generator  # not torch.manual_seed, which reseeds every CUDA device too (100 us)
         torch_state, python_state = cpu.get_state(), random.getstate()
         give_numpy_back = self._seat_numpy_generator(numpy) if numpy is not None else None
         try:
-            cpu.manual_seed(seed)
-            random.seed(seed)
-            if numpy is not None:
-                numpy.random.seed(seed & 0xFFFFFFFF)
-            return self.dataset[index]
+            return [self._seeded_read(index, numpy) for index in indices]
         finally:  # the training loop's draws (dropout) go on as if no item had been read
             cpu.set_state(torch_state)
             random.setstate(python_state)
             if give_numpy_back is not None:
                 give_numpy_back()
+
+    def _seeded_read(self, index: Any, numpy: Any) -> Any:
+        # blake2b: a seed of 63 bits from the three numbers, the same in every process (unlike hash()).
+        key = f"{self.seed}/{int(self._epoch)}/{index}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed & 0xFFFFFFFF)
+        return self.dataset[index]
 
     def _seat_numpy_generator(self, numpy: Any) -> Callable[[], None]:
         """This wrapper's own MT19937 as numpy's global bit generator; returns what gives the caller's back. Swapped,

@@ -493,6 +493,26 @@ def test_seeded_dataset_draws_per_index_alike_in_any_worker_and_resume():
     assert torch.equal(resumed[0], draws[3][0]) and resumed[1] == draws[3][1]
 
 
+def test_seeded_dataset_batches_read_as_single_items_and_spare_the_callers():
+    """A DataLoader in the main process reads a batch at once (the wrapper's __getitems__, where the caller's
+    generators are saved and given back once a batch): each item of a batch equals its single read, with its own
+    draw, and the caller's torch and Python streams go on as if no batch had been read."""
+    data = distributed.seeded_dataset(RandomCrops(), seed=3)
+    singles = [data[i] for i in range(len(data))]
+    # A generator of its own: iter(loader) draws its workers' base seed, from the global generator otherwise.
+    loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=list, generator=torch.Generator())
+    torch.manual_seed(5)
+    random.seed(5)
+    expected = torch.rand(2), random.random()
+    torch.manual_seed(5)
+    random.seed(5)
+    batches = list(loader)
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1], "the caller's streams moved"
+    assert [len(batch) for batch in batches] == [4, 2]
+    for index, (x, p) in enumerate(batches[0] + batches[1]):
+        assert torch.equal(x, singles[index][0]) and p == singles[index][1], f"item {index} read otherwise in a batch"
+
+
 class OwnsAGenerator(torch.utils.data.Dataset):
     """A dataset that draws from a generator of its own, as albumentations >= 1.4.21 and MONAI do; per_sample=True
     seeds it per item from torch.initial_seed(), as seeded_dataset's docstring shows."""

@@ -337,13 +337,31 @@ def time_items(runs: int) -> list[list[float]]:
     return found
 
 
+def time_batches(runs: int, batch: int = 64, batches: int = 300) -> list[list[float]]:
+    """[plain, seeded] microseconds per item read as a DataLoader reads them in this process (one batch at a time,
+    through the dataset's __getitems__ where it has one), `runs` times, alternating."""
+    plain, seeded, found = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1), []
+    for _ in range(runs):
+        pair = []
+        for data in (plain, seeded):
+            loader = iter(DataLoader(data, batch_size=batch, collate_fn=list))
+            start = time.perf_counter()
+            for _ in range(batches):
+                next(loader)
+            pair.append((time.perf_counter() - start) / (batches * batch) * 1e6)
+        found.append(pair)
+    return found
+
+
 def items() -> str:
     torch.set_num_threads(1)  # as a loader worker has
     here = time_items(5)
+    batched = time_batches(5)
     worker = next(iter(DataLoader(ItemTimer(), batch_size=None, num_workers=1)))
     lines = [f"seeded_dataset, {READS} reads of a {statistics.median(p for p, _ in here):.1f}-us item (numpy "
              f"{'imported' if 'numpy' in sys.modules else 'absent'}), added per read, median of 5 (runs):"]
-    for where, pairs, target in (("main process", here, 25), ("loader worker", worker, 10)):
+    for where, pairs, target in (("main process", here, 25), ("loader worker", worker, 10),
+                                 ("main process, a DataLoader's batches of 64", batched, 25)):
         added = sorted(s - p for p, s in pairs)
         lines.append(f"  {where}: {statistics.median(added):.1f} us ({added[0]:.1f}-{added[-1]:.1f}; target <= "
                      f"{target})")
