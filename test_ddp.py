@@ -562,7 +562,8 @@ def seat_pcg64(worker_id: int) -> None:
 
 def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     """A dataset augmenting with numpy's global generator (older albumentations, imgaug, many users' own): each item
-    reads the same twice, in a loader worker as in the process, and the caller's numpy stream goes on untouched."""
+    reads the same twice, in a loader worker, in the process and in a batch, and the caller's numpy stream goes on
+    untouched."""
     np = pytest.importorskip("numpy")
     data = distributed.seeded_dataset(NumpyNoise(), seed=2)
     np.random.seed(11)
@@ -578,6 +579,10 @@ def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     assert torch.equal(first, data[1]) and not torch.equal(data[1] - 1, data[2] - 2)
     loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[1, 1], num_workers=2)
     assert all(torch.equal(batch[0], first) for batch in loader)
+    np.random.seed(11)
+    batch = next(iter(torch.utils.data.DataLoader(data, batch_size=4, collate_fn=list, generator=torch.Generator())))
+    assert (np.random.rand(2) == expected).all(), "a batch read moved the caller's numpy stream"
+    assert all(torch.equal(item, data[index]) for index, item in enumerate(batch)), "a batch read otherwise"
 
 
 def test_seeded_dataset_numpy_draws_ignore_which_global_bit_generator_is_seated():
