@@ -1033,7 +1033,7 @@ class _SeededDataset(Dataset):
 
     def _keep_numpy_generator_seated(self, numpy: Any) -> None:
         """In a loader worker, this wrapper's MT19937 stays numpy's global bit generator: a worker_init_fn's PCG64,
-        seeded per item, would draw other numbers than the main process's reads. Checked per read (0.05 us)."""
+        seeded per item, would draw other numbers than the main process's reads. Checked per batch (0.05 us)."""
         if hasattr(numpy.random, "get_bit_generator") and numpy.random.get_bit_generator() is not self._bits:
             self._seat_numpy_generator(numpy)
 

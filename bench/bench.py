@@ -325,32 +325,30 @@ READS = 20000
 
 def time_items(runs: int) -> list[list[float]]:
     """[plain, seeded] microseconds per read, `runs` times, alternating, in this process."""
-    plain, seeded, found = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1), []
-    for _ in range(runs):
-        pair = []
-        for data in (plain, seeded):
-            start = time.perf_counter()
-            for i in range(READS):
-                data[i]
-            pair.append((time.perf_counter() - start) / READS * 1e6)
-        found.append(pair)
-    return found
+    def single_reads(data: torch.utils.data.Dataset) -> float:
+        start = time.perf_counter()
+        for i in range(READS):
+            data[i]
+        return (time.perf_counter() - start) / READS * 1e6
+    return alternate(runs, single_reads)
 
 
 def time_batches(runs: int, batch: int = 64, batches: int = 300) -> list[list[float]]:
     """[plain, seeded] microseconds per item read as a DataLoader reads them in this process (one batch at a time,
     through the dataset's __getitems__ where it has one), `runs` times, alternating."""
-    plain, seeded, found = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1), []
-    for _ in range(runs):
-        pair = []
-        for data in (plain, seeded):
-            loader = iter(DataLoader(data, batch_size=batch, collate_fn=list))
-            start = time.perf_counter()
-            for _ in range(batches):
-                next(loader)
-            pair.append((time.perf_counter() - start) / (batches * batch) * 1e6)
-        found.append(pair)
-    return found
+    def batch_reads(data: torch.utils.data.Dataset) -> float:
+        loader = iter(DataLoader(data, batch_size=batch, collate_fn=list))
+        start = time.perf_counter()
+        for _ in range(batches):
+            next(loader)
+        return (time.perf_counter() - start) / (batches * batch) * 1e6
+    return alternate(runs, batch_reads)
+
+
+def alternate(runs: int, per_item_us: Callable[[torch.utils.data.Dataset], float]) -> list[list[float]]:
+    """``per_item_us`` of the plain item and of the seeded one, taking turns, `runs` times."""
+    plain, seeded = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1)
+    return [[per_item_us(plain), per_item_us(seeded)] for _ in range(runs)]
 
 
 def items() -> str:
