@@ -14,12 +14,15 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +335,70 @@ def at_once(procs: list, timeout: float = 180, input: str | None = None) -> list
     results = finish(procs, timeout, input)
     return [subprocess.CompletedProcess(p.args, code, out, err)
             for p, (code, out, err) in zip(procs, results, strict=True)]
+
+
+def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, send: Callable[[int], None],
+                        env: dict | None = None, timeout: float = 180,
+                        then: float = 60) -> tuple[int, str, str, float]:
+    """Run ``command`` in a session of its own; once it prints a line containing ``line``, ``send(its pid)``; then
+    (exit code, all its stdout, its stderr, seconds from the signal to the exit). Not printed within ``timeout`` s,
+    or the process ended first, or still running ``then`` s after the signal: the job is killed and the test fails
+    with what it printed, each stdout line with the second it came (a slow start reads apart from a hang)."""
+    proc = start(command, cwd, env, own_session=True)
+    began = time.monotonic()
+    out: list[tuple[float, str]] = []
+    err: list[str] = []
+    arrived: queue.Queue = queue.Queue()
+    readers = [threading.Thread(target=_collect, args=(proc.stdout, out, began, arrived), daemon=True),
+               threading.Thread(target=_collect, args=(proc.stderr, err, None, None), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        while True:
+            try:
+                text = arrived.get(timeout=max(0.0, began + timeout - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{command} did not print {line!r} within {timeout} s") from None
+            if text is None:
+                raise AssertionError(f"{command} closed its stdout without printing {line!r}")
+            if line in text:
+                break
+        sent = time.monotonic()
+        send(proc.pid)
+        try:
+            proc.wait(timeout=then)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{command} still ran {then} s after the signal") from None
+        seconds = time.monotonic() - sent
+    except AssertionError as e:
+        _kill_group(proc)
+        for reader in readers:
+            reader.join(10)
+        printed = "".join(f"{at:7.2f} s  {text}" for at, text in out)
+        raise AssertionError(f"{e} (exit code {proc.returncode}); stdout, seconds from the start:\n{printed}"
+                             f"stderr:\n{''.join(err)}") from None
+    finally:
+        _kill_group(proc)  # ranks it left behind
+    for reader in readers:
+        reader.join(then)
+    return proc.returncode, "".join(text for _, text in out), "".join(err), seconds
+
+
+def _collect(stream: Any, into: list, began: float | None, arrived: queue.Queue | None) -> None:
+    """A reader thread: every line of ``stream`` into ``into`` (with its second from ``began``, when given) and onto
+    ``arrived``; None there at the end."""
+    for text in stream:
+        into.append(text if began is None else (time.monotonic() - began, text))
+        if arrived is not None:
+            arrived.put(text)
+    if arrived is not None:
+        arrived.put(None)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 MIN_DDP = SCRIPTS / "min_ddp_driver.py"  # min_ddp.py as a command, with the suite's settings and hooks

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once, start
+from harness import SCRIPTS, assert_bitwise_equal, at_once, signal_once_printed, start
 
 
 OWN_LOOP = SCRIPTS / "own_loop.py"
@@ -100,24 +99,6 @@ def test_an_iteration_loop_resumed_at_another_global_batch_is_refused(tmp_path, 
         checkpointer.Checkpointer(tmp_path / "snap.pt", torch.nn.Linear(2, 1), batch_size=16)
 
 
-def signal_once_printed(command: list[str], cwd: Path, line: str, signum: int, group: bool = False,
-                        timeout: float = 60) -> tuple[int, str, str, float]:
-    """Run ``command``; once it prints ``line``, send it (or its whole process group) ``signum``; then
-    (exit code, stdout, stderr, seconds from the signal to the exit)."""
-    proc = start(command, cwd, own_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while line not in proc.stdout.readline():
-            assert proc.poll() is None and time.monotonic() < deadline, f"never printed {line!r}"
-        sent = time.monotonic()
-        os.killpg(proc.pid, signum) if group else os.kill(proc.pid, signum)
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err, time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 @pytest.mark.slow
 def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_path):
     """Steps of 0.3 s and check_every left alone: the ranks time their steps and check about once a second, so
@@ -125,7 +106,8 @@ def test_slow_steps_at_the_default_cadence_stop_and_save_within_the_grace(tmp_pa
     steps (30 s here): the launcher SIGKILLed the ranks after its grace, unsaved, and exited as a clean stop."""
     command = [sys.executable, str(OWN_LOOP), str(tmp_path / "snap.pt"), str(tmp_path / "out.pt"), "--sleep", "0.3",
                "--iters", "200"]
-    code, out, err, seconds = signal_once_printed(command, tmp_path, "iteration 5", signal.SIGTERM)
+    code, out, err, _ = signal_once_printed(command, tmp_path, "iteration 5",
+                                            lambda pid: os.kill(pid, signal.SIGTERM))
     assert code == -signal.SIGTERM, err
     stopped = int(re.search(r"stopped by SIGTERM after (\d+) steps?; saved to", out).group(1))
     assert 5 <= stopped <= 12, out
@@ -139,7 +121,8 @@ def test_a_hard_kill_loses_at_most_the_save_interval(tmp_path):
     command resumes from it. Before, an iteration loop saved nothing until it stopped."""
     command = [sys.executable, str(OWN_LOOP), str(tmp_path / "snap.pt"), str(tmp_path / "out.pt"), "--sleep", "0.05",
                "--iters", "1000", "--save-interval", "1"]
-    code, out, err, _ = signal_once_printed(command, tmp_path, "iteration 40", signal.SIGKILL, group=True)
+    code, out, err, _ = signal_once_printed(command, tmp_path, "iteration 40",
+                                            lambda pid: os.killpg(pid, signal.SIGKILL))
     assert code == -signal.SIGKILL
     saved = distributed.load_checkpoint(tmp_path / "snap.pt")["steps"]
     assert 10 <= saved <= 40, saved

@@ -29,8 +29,8 @@ import distributed
 import min_ddp
 from ddp_check import assert_step_equivalent
 import min_ddp_cli
-from harness import (CLASSES, FEATURES, assert_bitwise_equal, at_once, leftover_processes, one_thread, run,
-                     run_min_ddp, start, start_min_ddp, without_numpy)
+from harness import (CLASSES, FEATURES, HERE, assert_bitwise_equal, at_once, leftover_processes, one_thread, run,
+                     run_min_ddp, signal_once_printed, start_min_ddp, without_numpy)
 
 RTOL = ATOL = 1e-9
 EPOCHS, SEED, LR, TRAIN_SIZE = 2, 7, 0.05, 2048
@@ -309,14 +309,10 @@ def test_min_ddp_settings_it_cannot_use_are_one_line_without_a_traceback(tmp_pat
 
 @pytest.mark.slow
 def test_min_ddp_ctrl_c_is_one_line_and_exit_code_130():
-    proc = start([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], own_session=True)
-    try:
-        assert proc.stdout.readline().startswith("mode=spawn")  # the workers are training
-        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and err == "min_ddp: interrupted\n", err
+    code, _, err, _ = signal_once_printed([sys.executable, "min_ddp.py", "--nprocs", "2", "--epochs", "100"], HERE,
+                                          "mode=spawn",  # the workers are training
+                                          lambda pid: os.killpg(pid, signal.SIGINT))  # Ctrl-C: the foreground group
+    assert code == 130 and err == "min_ddp: interrupted\n", err
 
 
 

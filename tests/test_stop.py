@@ -19,7 +19,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 import checkpointer
 import distributed
-from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, start, start_ranks,
-                     wait_for_job)
+from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_once_printed,
+                     start, start_ranks, wait_for_job)
 
 
 # 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
@@ -213,35 +212,13 @@ def test_signal_to_the_launcher_reaches_workers_which_save_first(uninterrupted, 
     SIGTERM (143), reporting no failure; the rerun finishes bitwise equal."""
     model, done, _ = uninterrupted
     flags = [*FLAGS, "--snapshot", str(tmp_path / "snap.pt"), "--save-model", str(tmp_path / "model.pt")]
-    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                         "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM))
+    code, out, err, _ = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                            "[global] epoch 1 step 1/16", lambda pid: os.kill(pid, signal.SIGTERM),
+                                            SETTINGS)
     assert code == -signal.SIGTERM, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err and "failed" not in err, err
     assert run_driver(tmp_path, *flags).returncode == 0
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "model.pt"), model, "final model")
-
-
-def signal_once_printed(command: list[str], cwd: Path, line: str, send: Callable[[int], None],
-                        timeout: float = 60, env: dict | None = None) -> tuple[int, str, str]:
-    """Run ``command`` (SETTINGS and ``env`` added); once it prints ``line``, ``send(its pid)``; then (exit code,
-    stdout, stderr)."""
-    proc = start(command, cwd, {**SETTINGS, **(env or {})}, own_session=True)
-    try:
-        assert line in wait_for_line(proc, line), f"{command} never printed {line!r}"
-        send(proc.pid)
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-    return proc.returncode, out, err
-
-
-def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if text in line or not line:
-            return line
-    raise TimeoutError(f"no line with {text!r} within {timeout} s")
 
 
 @pytest.mark.slow
@@ -250,8 +227,8 @@ def test_save_slower_than_the_grace_is_killed_reported_and_not_a_clean_stop(tmp_
     had saved, and exits 1, not 138 as a stop that saved would; the previous snapshot is still whole. Before, it
     died of the signal like a clean stop, and a job script or a requeue could not tell."""
     script, path = SCRIPTS / "slow_save.py", tmp_path / "snap.pt"
-    code, out, err = signal_once_printed([sys.executable, str(script), str(path)], tmp_path, "saved version 1",
-                                         lambda pid: os.kill(pid, signal.SIGUSR1), timeout=30)
+    code, out, err, _ = signal_once_printed([sys.executable, str(script), str(path)], tmp_path, "saved version 1",
+                                            lambda pid: os.kill(pid, signal.SIGUSR1), SETTINGS, then=30)
     assert code == 1, err
     assert "WorkerFailed: rank(s) [0, 1] had not exited 1 s after SIGUSR1 and were killed: what they did since " \
            "their last snapshot is lost (rank 0: saved version 1; rank 1: saved version 1)" in err, err
@@ -267,8 +244,8 @@ def test_a_rank_that_fails_after_a_stop_signal_is_the_root_cause_not_the_signal(
     """SIGTERM to the launcher, then rank 1 fails to save, raising or killed: the launcher reports rank 1 and
     exits 1, instead of dying of SIGTERM in silence while the user believes the snapshot was written."""
     script = SCRIPTS / "fails_after_stop.py"
-    code, out, err = signal_once_printed([sys.executable, str(script), how], tmp_path, "ready",
-                                         lambda pid: os.kill(pid, signal.SIGTERM))
+    code, out, err, _ = signal_once_printed([sys.executable, str(script), how], tmp_path, "ready",
+                                            lambda pid: os.kill(pid, signal.SIGTERM), SETTINGS)
     assert code == 1, err
     assert reported in err, err
 
@@ -286,8 +263,9 @@ def test_torchrun_agent_forwards_stop_signals_and_workers_save_in_time(uninterru
     usr1 = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
     for line, signum, agent_flags in [("[global] epoch 1 step 2/16", signal.SIGTERM, []),
                                       ("[global] epoch 2 step 2/16", signal.SIGUSR1, [usr1])]:
-        code, out, err = signal_once_printed([*torchrun, *agent_flags, str(MIN_DDP), *flags, "--log-every",
-                                              "1"], tmp_path, line, lambda pid, signum=signum: os.kill(pid, signum))
+        code, out, err, _ = signal_once_printed([*torchrun, *agent_flags, str(MIN_DDP), *flags, "--log-every",
+                                                 "1"], tmp_path, line, lambda pid, signum=signum: os.kill(pid, signum),
+                                                SETTINGS)
         assert f"stopped by {signum.name}" in out, out + err
         assert distributed.load_checkpoint(snap)["epoch_steps"] > 0
     out = run([*torchrun, str(MIN_DDP), *flags], tmp_path, SETTINGS, timeout=180)
@@ -316,9 +294,9 @@ def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterr
     forkserver (Python 3.14's default) they are its children: its death would end them."""
     flags = [*SMALL_BATCHES, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
-    code, out, err = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                         "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1),
-                                         env={"START_METHOD": start_method})
+    code, out, err, _ = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
+                                            "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1),
+                                            {**SETTINGS, "START_METHOD": start_method})
     assert "stopped by SIGUSR1 after 1 epoch and 36 steps" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err
     flags[flags.index("--workers") + 1] = "0"  # the resume needs no loader workers: the stop was the test
