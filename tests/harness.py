@@ -317,7 +317,7 @@ def run(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = No
     return done
 
 
-def finish(procs: list, timeout: float = 60, input: str | None = None) -> list[tuple[int, str, str]]:
+def finish(procs: list, timeout: float = 180, input: str | None = None) -> list[tuple[int, str, str]]:
     """Every process's (exit code, stdout, stderr); a process still running after ``timeout`` is a hang: all
     are killed and the test fails."""
     try:
