@@ -353,14 +353,15 @@ def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, s
                threading.Thread(target=_collect, args=(proc.stderr, err, None, None), daemon=True)]
     for reader in readers:
         reader.start()
+    failure = None
     try:
         while True:
             try:
                 text = arrived.get(timeout=max(0.0, began + timeout - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"{command} did not print {line!r} within {timeout} s") from None
+                raise AssertionError(f"did not print {line!r} within {timeout} s") from None
             if text is None:
-                raise AssertionError(f"{command} closed its stdout without printing {line!r}")
+                raise AssertionError(f"closed its stdout without printing {line!r}")
             if line in text:
                 break
         sent = time.monotonic()
@@ -368,19 +369,20 @@ def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, s
         try:
             proc.wait(timeout=then)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{command} still ran {then} s after the signal") from None
+            raise AssertionError(f"still ran {then} s after the signal") from None
         seconds = time.monotonic() - sent
     except AssertionError as e:
-        _kill_group(proc)
-        for reader in readers:
-            reader.join(10)
-        printed = "".join(f"{at:7.2f} s  {text}" for at, text in out)
-        raise AssertionError(f"{e} (exit code {proc.returncode}); stdout, seconds from the start:\n{printed}"
-                             f"stderr:\n{''.join(err)}") from None
+        failure = e
     finally:
-        _kill_group(proc)  # ranks it left behind
-    for reader in readers:
-        reader.join(then)
+        with contextlib.suppress(ProcessLookupError):  # the job, or ranks it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for reader in readers:  # the group is gone: its pipes close
+        reader.join(10)
+    if failure is not None:
+        printed = "".join(f"{at:7.2f} s  {text}" for at, text in out)
+        raise AssertionError(f"{command} {failure} (exit code {proc.returncode}); stdout, seconds from the start:\n"
+                             f"{printed}stderr:\n{''.join(err)}")
     return proc.returncode, "".join(text for _, text in out), "".join(err), seconds
 
 
@@ -393,12 +395,6 @@ def _collect(stream: Any, into: list, began: float | None, arrived: queue.Queue 
             arrived.put(text)
     if arrived is not None:
         arrived.put(None)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 MIN_DDP = SCRIPTS / "min_ddp_driver.py"  # min_ddp.py as a command, with the suite's settings and hooks
