@@ -572,9 +572,15 @@ def _failure(first_line: str, tracebacks: dict[str, str], causes: list[str]) -> 
     return "\n".join(lines) + _devices_hint("\n".join(tracebacks.values()))
 
 
+# How torch says it found no GPU to use: GPUs hidden (the check's ranks), a CPU build, and a CUDA build on a
+# machine without a working driver (pip's default torch on a CPU host or a login node).
+_NO_GPU_ERRORS = ("No CUDA GPUs are available", "not compiled with CUDA", "Found no NVIDIA driver",
+                  "NVIDIA driver on your system is too old", "CUDA driver initialization failed")
+
+
 def _devices_hint(error: str) -> str:
     """What to do when a rank's error says it looked for a GPU: the check's ranks are CPU processes."""
-    if "No CUDA GPUs are available" not in error and "not compiled with CUDA" not in error:
+    if not any(message in error for message in _NO_GPU_ERRORS):
         return ""
     return ("\nThe check's ranks are CPU processes: leave devices and autocast to it. Write the step without "
             ".cuda(), .to('cuda') or autocast('cuda'): the check's model and batches are on the CPU, and its "

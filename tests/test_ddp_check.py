@@ -592,11 +592,27 @@ def step_moves_batches_to_cuda(model, optimizer, scaler, micro_batches, step):
 
 
 def test_a_step_that_moves_to_cuda_gets_the_devices_hint():
-    """The check runs its ranks on CPU: a step with x.cuda() fails with torch's "No CUDA GPUs are available" (or
-    "not compiled with CUDA") from every rank, and the check says to leave devices and autocast to it."""
-    with pytest.raises(AssertionError, match=r"(No CUDA GPUs are available|not compiled with CUDA)(.|\n)*The "
-                                             r"check's ranks are CPU processes: leave devices and autocast to it"):
+    """The check runs its ranks on CPU: a step with x.cuda() fails with torch's "No CUDA GPUs are available" (GPUs
+    hidden), "not compiled with CUDA" (a CPU build) or "Found no NVIDIA driver" (pip's default CUDA build on a
+    host without a driver) from every rank, and the check says to leave devices and autocast to it."""
+    with pytest.raises(AssertionError, match=r"(No CUDA GPUs are available|not compiled with CUDA|Found no NVIDIA "
+                                             r"driver)(.|\n)*The check's ranks are CPU processes: leave devices and "
+                                             r"autocast to it"):
         assert_step_equivalent(mlp, vectors, step_moves_batches_to_cuda, world_sizes=(2,))
+
+
+def step_on_a_host_without_an_nvidia_driver(model, optimizer, scaler, micro_batches, step):
+    """What x.cuda() raises where pip's default torch (a CUDA build) runs on a host with no NVIDIA driver: a CPU
+    build, as this suite's, cannot raise it."""
+    raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and "
+                       "installed a driver from http://www.nvidia.com/Download/index.aspx")
+
+
+def test_a_cuda_build_without_a_driver_also_gets_the_devices_hint():
+    """The same step run where torch is a CUDA build but the host has no driver (a CPU machine, a login node)
+    fails with another message; the check still says why (found on Python 3.13 with pip's default torch)."""
+    with pytest.raises(AssertionError, match=r"Found no NVIDIA driver(.|\n)*The check's ranks are CPU processes"):
+        assert_step_equivalent(mlp, vectors, step_on_a_host_without_an_nvidia_driver, world_sizes=(1,))
 
 
 def test_no_sync_around_the_backward_passes_when_its_traffic_is_accepted():
