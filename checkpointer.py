@@ -14,7 +14,8 @@ distributed.py's launcher forwards those signals and takes that exit as a stop, 
 the signals simply end the job. It uses only distributed.py's public names and torch.
 
 On a cluster, ask for the time limit's warning and a requeue, and signal the launcher, not a rank (torchrun's
-agent forwards USR1/USR2 only with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2):
+agent forwards USR1/USR2 only with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2, which
+came in torch 2.10: with older torch, start the ranks with srun itself, as below):
 
     #!/bin/bash
     #SBATCH --ntasks=2 --time=04:00:00
