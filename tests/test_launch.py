@@ -725,6 +725,16 @@ def short_tmpdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def left_behind(tmpdir: Path) -> list[Path]:
+    """What a job left in its TMPDIR. torch before 2.10 makes a directory holding _remote_module_non_scriptable.py in
+    every process that imports torch.distributed.nn (distributed.py does) and removes it at exit, which a launcher
+    dying of a forwarded signal, as its sender expects, skips: torch's leftover, not launch()'s."""
+    found = list(tmpdir.iterdir())
+    if torch.__version__ < (2, 10):
+        found = [path for path in found if not (path / "_remote_module_non_scriptable.py").exists()]
+    return found
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, short_tmpdir):
     """`timeout 60 python train.py`: GNU timeout sends SIGTERM to the launcher, then to its process group.
@@ -738,7 +748,7 @@ def test_a_second_sigterm_during_cleanup_still_removes_the_jobs_directory(job, s
     os.kill(j.proc.pid, signal.SIGTERM)
     code, out, err = j.finish()
     assert code == 1 and "rank(s) [0, 1] had not exited 2 s after SIGTERM and were killed" in err, err
-    assert list(short_tmpdir.iterdir()) == [], "launch() left its directories behind"
+    assert left_behind(short_tmpdir) == [], "launch() left its directories behind"
     assert j.leftovers() == []
 
 
@@ -749,7 +759,7 @@ def test_gnu_timeout_stops_a_job_and_leaves_no_directory_behind(job, short_tmpdi
             env={"TMPDIR": str(short_tmpdir), "GRACE": "2"})
     code, out, err = j.finish()
     assert code == 124, err  # timeout's own code: the command was stopped by it
-    assert list(short_tmpdir.iterdir()) == [], "launch() left its directories behind"
+    assert left_behind(short_tmpdir) == [], "launch() left its directories behind"
     assert j.leftovers() == []
 
 
