@@ -28,6 +28,10 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 for name in [name for name in os.environ if (name.startswith(LAUNCHER_PREFIXES) and name != "SLURM_CONF")
              or name in LAUNCHER_VARS]:
     del os.environ[name]
+# A plain shell's buffering in every process the suite starts: PYTHONUNBUFFERED (many containers set it) leaves C's
+# stdout unbuffered too, and torch 2.8-2.10's gloo then writes its connection line piece by piece, the ranks' pieces
+# interleaved mid-line; buffered, each such line is one write, which harness.job_output takes out whole.
+os.environ.pop("PYTHONUNBUFFERED", None)
 ROOT = os.path.dirname(os.path.abspath(__file__))
 collect_ignore = [os.path.join(folder, name) for folder in (".", "tests")
                   for name in os.listdir(os.path.join(ROOT, folder))

@@ -289,6 +289,18 @@ def task_sampler_skip(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+# torch 2.8-2.10's gloo prints this on stdout in every rank at each group's start (2.11 made it a log message, off
+# by default): torch's line, not the job's output, which tests compare line by line. Whole lines only: conftest.py
+# keeps PYTHONUNBUFFERED from the processes the suite starts, so C's stdout writes gloo's line in one piece.
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                            r"Expected number of connected peer ranks is : \d+\n", re.MULTILINE)
+
+
+def job_output(stdout: str | None) -> str | None:
+    """A process's stdout as the job printed it: without gloo's connection lines."""
+    return stdout if stdout is None else GLOO_CONNECTED.sub("", stdout)
+
+
 def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = None, own_session: bool = False,
           **popen: Any) -> subprocess.Popen:
     """The one way a test starts a process: ``command`` in ``cwd``, ``env`` added to this process's environment (a
@@ -326,7 +338,7 @@ def finish(procs: list, timeout: float = 180, input: str | None = None) -> list[
         for p in procs:
             p.kill()
         raise AssertionError(f"hung, killed after {timeout} s: {[(p.args, *p.communicate()) for p in procs]}") from None
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+    return [(p.returncode, job_output(out), err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
 def at_once(procs: list, timeout: float = 180, input: str | None = None) -> list[subprocess.CompletedProcess]:
@@ -383,7 +395,7 @@ def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, s
         printed = "".join(f"{at:7.2f} s  {text}" for at, text in out)
         raise AssertionError(f"{command} {failure} (exit code {proc.returncode}); stdout, seconds from the start:\n"
                              f"{printed}stderr:\n{''.join(err)}")
-    return proc.returncode, "".join(text for _, text in out), "".join(err), seconds
+    return proc.returncode, job_output("".join(text for _, text in out)), "".join(err), seconds
 
 
 def _collect(stream: Any, into: list, began: float | None, arrived: queue.Queue | None) -> None:

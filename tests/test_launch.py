@@ -31,8 +31,8 @@ import torch
 import checkpointer
 import conftest
 import distributed
-from harness import (HERE, SCRIPTS, cannot_run, finish, free_port, leftover_processes, readme_snippet, run, start,
-                     start_ranks, wait_for_job)
+from harness import (HERE, SCRIPTS, cannot_run, finish, free_port, job_output, leftover_processes, readme_snippet, run,
+                     start, start_ranks, wait_for_job)
 
 JOB_SCRIPT = SCRIPTS / "job.py"  # a job whose ranks misbehave on request
 
@@ -609,6 +609,16 @@ def test_the_suites_processes_see_no_job_of_the_shell():
     child = run([sys.executable, "-c", "import distributed; print(distributed.launch_mode())"])
     assert child.stdout.strip() == "single", child.stderr
     assert checkpointer.requeue() is False
+
+
+def test_gloos_connection_lines_are_taken_out_whole_and_nothing_else():
+    """torch 2.8-2.10's gloo prints a connection line per rank on stdout; job_output takes out exactly those, and
+    a job's own line that quotes one stays. The suite's processes run without PYTHONUNBUFFERED, so C's stdout
+    writes such a line in one piece instead of interleaving it with another rank's."""
+    gloo = "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+    job = f"mode=spawn world=2\n[rank 0] quoted: {gloo.format(1)}"
+    assert job_output(gloo.format(0) + job + gloo.format(1) + "done\n") == job + "done\n"
+    assert "PYTHONUNBUFFERED" not in os.environ
 
 
 @pytest.mark.slow
