@@ -112,9 +112,8 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     before SIGKILL; then this process dies of the same signal. Workers that exit with 128 + a stop
     signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code.
     """
-    # torch's many objects live as long as this process: no full collection need scan them, nor the
-    # interpreter's at exit (half a CPU-second).
-    gc.freeze()
+    atexit.unregister(_collect_and_freeze)  # once however often launch() runs (a notebook)
+    atexit.register(_collect_and_freeze)
     env = _launcher_env()
     if env is not None:
         if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
@@ -235,8 +234,7 @@ def cleanup() -> None:
         # DDP reducer, which holds the GIL, that deadlocks; at interpreter shutdown it aborts a finished job
         # ("terminate called without an active exception"). So its Python object keeps it until exit, when the
         # DDP models (in reference cycles) are collected, and then frees it, the GIL released, Python still whole.
-        # What is left then is frozen: the interpreter's own collections at exit would scan it all again (about a
-        # CPU-second a rank once DDP has imported torch._dynamo) to find no garbage.
+        # Then what lives is frozen, as launch() has it at exit (_collect_and_freeze), for scripts that call only this.
         atexit.register(lambda: (gc.collect(), group.clear(), gc.freeze()))
 
 
@@ -518,6 +516,15 @@ def _name_process(suffix: str) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME; loader workers forked later inherit it
+
+
+def _collect_and_freeze() -> None:
+    """At exit: the garbage collected once, then what lives frozen. The interpreter's own collections while it
+    tears down would scan torch's many objects again to find nothing: half a CPU-second, a whole one once DDP or an
+    optimizer has imported torch._dynamo. (Frozen at launch() instead, objects the caller later drops in reference
+    cycles, a model on a GPU among them, would never be freed.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def _launcher_env() -> _Launcher | None:

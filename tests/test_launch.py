@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib.util
 import os
 import re
@@ -22,6 +23,7 @@ import textwrap
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from collections.abc import Iterator
 
@@ -438,6 +440,21 @@ def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(tmp_path):
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert "ranks: 2" in results[0][1]
     assert [out.splitlines()[-1] for _, out, _ in results] == ["gloo threads at exit: []"] * 2, results
+
+
+def test_launch_in_process_still_frees_what_the_caller_drops_after_it():
+    """launch() spares the interpreter's exit a scan of torch's objects by freezing them at exit, not at its start:
+    frozen then, a model the caller passed and later dropped in a reference cycle (DDP's wrapper makes one) would
+    never be freed, nor the GPU memory it holds (a notebook that launches at world 1 again and again)."""
+    model = torch.nn.Linear(2, 2)
+    model.cycle = [model]
+    ran = []
+    distributed.launch(lambda rank, world, m: ran.append((rank, world, type(m).__name__)), model, nprocs=1)
+    assert ran == [(0, 1, "Linear")]
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None, "a model dropped after launch() survived a full collection: it was frozen"
 
 
 # ---------------------------------------------------------------------------------------------
