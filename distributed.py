@@ -519,10 +519,11 @@ def _name_process(suffix: str) -> None:
 
 
 def _collect_and_freeze() -> None:
-    """At exit: the garbage collected once, then what lives frozen. The interpreter's own collections while it
-    tears down would scan torch's many objects again to find nothing: half a CPU-second, a whole one once DDP or an
-    optimizer has imported torch._dynamo. (Frozen at launch() instead, objects the caller later drops in reference
-    cycles, a model on a GPU among them, would never be freed.)"""
+    """At exit: the garbage collected once, then what still lives frozen, so that the interpreter's own collections
+    while it tears down skip torch's many objects: half a CPU-second, a whole one once DDP or an optimizer has
+    imported torch._dynamo. What lives until exit is then not finalized, which Python does not promise anyway.
+    (Frozen at launch()'s start instead, objects the caller drops later in reference cycles, a model on a GPU among
+    them, would never be freed.)"""
     gc.collect()
     gc.freeze()
 
