@@ -112,8 +112,6 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     before SIGKILL; then this process dies of the same signal. Workers that exit with 128 + a stop
     signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code.
     """
-    atexit.unregister(_collect_and_freeze)  # once however often launch() runs (a notebook)
-    atexit.register(_collect_and_freeze)
     env = _launcher_env()
     if env is not None:
         if env.mode == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:
@@ -234,8 +232,7 @@ def cleanup() -> None:
         # DDP reducer, which holds the GIL, that deadlocks; at interpreter shutdown it aborts a finished job
         # ("terminate called without an active exception"). So its Python object keeps it until exit, when the
         # DDP models (in reference cycles) are collected, and then frees it, the GIL released, Python still whole.
-        # Then what lives is frozen, as launch() has it at exit (_collect_and_freeze), for scripts that call only this.
-        atexit.register(lambda: (gc.collect(), group.clear(), gc.freeze()))
+        atexit.register(lambda: (gc.collect(), group.clear()))
 
 
 # ------------------------------ Data ---------------------------------------------------------
@@ -516,16 +513,6 @@ def _name_process(suffix: str) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME; loader workers forked later inherit it
-
-
-def _collect_and_freeze() -> None:
-    """At exit: the garbage collected once, then what still lives frozen, so that the interpreter's own collections
-    while it tears down skip torch's many objects: half a CPU-second, a whole one once DDP or an optimizer has
-    imported torch._dynamo. What lives until exit is then not finalized, which Python does not promise anyway.
-    (Frozen at launch()'s start instead, objects the caller drops later in reference cycles, a model on a GPU among
-    them, would never be freed.)"""
-    gc.collect()
-    gc.freeze()
 
 
 def _launcher_env() -> _Launcher | None:
