@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -437,7 +438,19 @@ def _default_sigint() -> None:
 
 
 def free_port() -> int:
-    """A port free right now, for tests that must pass one explicitly (MASTER_PORT, torchrun)."""
+    """A port free right now, for tests that must pass one explicitly (MASTER_PORT, torchrun). Below the kernel's
+    ephemeral range: a port from that range (as a bind to port 0 gives) can be handed to another process's socket
+    (gloo's, a store's, any outgoing connection) before the test's process binds it, seconds later; then the job
+    fails after its timeouts (seen once in a whole run: two torchrun agents, 157 s)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0  # not Linux: any free port
+    draw = secrets.SystemRandom()  # not `random`: the suite's processes may seed it alike
+    for _ in range(100 if ephemeral > 11000 else 0):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port := draw.randrange(10000, ephemeral)))
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
