@@ -430,33 +430,16 @@ def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path
 
 
 
-@pytest.fixture(scope="module")
-def exited_ranks(tmp_path_factory) -> tuple[list, Path]:
-    """Two ranks of rank_scripts/at_exit.py started by hand, as torchrun would, run to their exit."""
-    folder = tmp_path_factory.mktemp("at_exit")
-    return finish(start_ranks([str(SCRIPTS / "at_exit.py")], folder), timeout=120), folder
-
-
 @pytest.mark.slow
-def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(exited_ranks):
+def test_no_gloo_thread_outlives_cleanup_into_interpreter_shutdown(tmp_path):
     """gloo's threads taking the GIL during shutdown abort a finished job ("terminate called without an active
     exception", seen under torchrun). They end with the group: cleanup() must have it freed before shutdown, though
     torch.distributed.nn's defaults (imported by DDP) and the caller's DDP model, garbage in a cycle, hold it.
     (Freed by DDP's reducer, which holds the GIL, it deadlocks: the docstring example under torchrun shows it.)"""
-    results, _ = exited_ranks
+    results = finish(start_ranks([str(SCRIPTS / "at_exit.py")], tmp_path), timeout=120)
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert "ranks: 2" in results[0][1]
     assert [out.splitlines()[-1] for _, out, _ in results] == ["gloo threads at exit: []"] * 2, results
-
-
-@pytest.mark.slow
-def test_a_file_a_rank_left_open_in_a_reference_cycle_is_flushed_at_exit(exited_ranks):
-    """Python's teardown finalizes what is left in reference cycles, and so flushes a file a user's object never
-    closed. Freezing the objects at exit, which would save 0.5-1 CPU-s of teardown in every process, loses that
-    file's last buffered line (tried: launch() and cleanup() did it for an afternoon)."""
-    results, folder = exited_ranks
-    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
-    assert [(folder / f"log.{rank}").read_text() for rank in (0, 1)] == ["last line\n"] * 2
 
 
 def test_launch_in_process_still_frees_what_the_caller_drops_after_it():

@@ -1,8 +1,7 @@
 """No gloo thread may outlive cleanup() into interpreter shutdown (test_launch.py): started by hand as torchrun would.
 
 The rank trains a DDP model that is still alive at cleanup() and in a reference cycle, with gc disabled so only
-cleanup()'s own collection runs; a handler registered first (so it runs last at exit) lists the gloo threads left.
-Each rank also leaves a line in a file its object never closes, in a reference cycle: Python's teardown flushes it."""
+cleanup()'s own collection runs; a handler registered first (so it runs last at exit) lists the gloo threads left."""
 import atexit
 import gc
 import glob
@@ -15,16 +14,8 @@ def gloo_threads():  # registered first, so it runs last at exit: just before th
     names = [Path(comm).read_text().strip() for comm in glob.glob("/proc/self/task/*/comm")]
     print("gloo threads at exit:", sorted(name for name in names if "gloo" in name), flush=True)
 
-class Log:  # a user's object in a reference cycle (as a bound-method callback makes) whose file is never closed
-    def __init__(self, path):
-        self.me = self
-        self.file = open(path, "w")  # noqa: SIM115
-
 def worker(local_rank, world_size):
     distributed.init_process_group(local_rank, world_size)
-    global LOG
-    LOG = Log(f"log.{local_rank}")  # alive until the interpreter tears down
-    LOG.file.write("last line\n")
     model = torch.nn.Linear(4, 1)
     ddp, optimizer = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
     cycle = [ddp]
