@@ -407,12 +407,10 @@ def test_torchrun_standalone_gives_the_bitwise_same_model(spawn_model, tmp_path)
 
 @pytest.mark.slow
 def test_two_torchrun_agents_form_one_job_with_one_primary(spawn_model, tmp_path):
-    """Two agents meet at one rendezvous endpoint, as on two hosts. The test hosts the endpoint's store and so holds
-    its port from the start: a port found free and released can be taken by another process before an agent binds
-    it, and then both agents fail after two minutes (seen once in a whole run of the suite; reproduced by holding
-    the port). Each agent then tries to host, finds the port in use and joins as a client."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port, path = store.port, tmp_path / "model.pt"
+    """Two agents meet at one rendezvous endpoint, as on two hosts: the first to bind its port hosts the store, the
+    other joins as a client. (free_port() keeps clear of the ports the kernel hands out: one it had handed to another
+    socket before the agents bound it failed both after 157 s, seen once in a whole run.)"""
+    port, path = free_port(), tmp_path / "model.pt"
     agents = [start(["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test{port}", *TRAIN, "--save-model", str(path)],
                     # Bitwise equality needs the same kernels: one thread per process, as
