@@ -118,14 +118,17 @@ def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
             torch.testing.assert_close(final[key], straight[key], rtol=1e-5, atol=1e-6)
 
 
-def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path):
+@pytest.mark.parametrize("more", [[], ["--amp"]], ids=["float64", "float16-autocast-gradscaler-clipping"])
+def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path, more):
     """rank_scripts/random_loop.py on one GPU: dropout on CUDA (its Philox generator's state in the snapshot) and a
     random augmentation on the CPU, stopped mid-epoch and resumed: bitwise the uninterrupted run, with
-    deterministic kernels (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG, as the README says)."""
+    deterministic kernels (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG, as the README says).
+    Also as mixed precision trains on a GPU: float16 autocast, a CUDA GradScaler in the Checkpointer's state,
+    gradients unscaled and clipped; every step runs with the uninterrupted run's scale and growth count."""
     def loop(snapshot: str, out: str, stop: int) -> subprocess.CompletedProcess:
         return run([sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
-                    "1", "32", str(stop), "--dropout", "0.2"], tmp_path, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-                   timeout=300)
+                    "1", "32", str(stop), "--dropout", "0.2", *more], tmp_path,
+                   {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, timeout=300)
     assert loop("never.pt", "straight.pt", 0).returncode == 0
     stopped = loop("snap.pt", "resumed.pt", 5)
     assert stopped.returncode == 138 and "after 0 epochs and 5 steps" in stopped.stdout, stopped.stderr[-3000:]
@@ -134,6 +137,9 @@ def test_resume_with_cuda_dropout_and_augmentation_is_bitwise(tmp_path):
     assert_bitwise_equal(torch.load(tmp_path / "resumed.pt.steps"), torch.load(tmp_path / "straight.pt.steps"))
     assert_bitwise_equal(distributed.load_checkpoint(tmp_path / "resumed.pt", map_location="cpu"),
                          distributed.load_checkpoint(tmp_path / "straight.pt", map_location="cpu"), "final model")
+    if more:  # a lost scaler state need not change the weights (the scale corrects itself): its own record does
+        assert_bitwise_equal(torch.load(tmp_path / "resumed.pt.scales"), torch.load(tmp_path / "straight.pt.scales"),
+                             "the GradScaler's (scale, growth tracker) at each step")
 
 
 @two_gpus

@@ -1,17 +1,21 @@
-"""A loop with real training's randomness, on a Checkpointer (test_stop.py):
+"""A loop with real training's randomness, on a Checkpointer (test_random_resume.py, test_resume_at_three.py and
+test_gpu.py):
 
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded|numpy-and-owned]
                           [--workers K] [--persistent] [--accum K] [--stop-mid-group]
-                          [--ddp plain|find-unused|shared-memory]
+                          [--ddp plain|find-unused|shared-memory] [--amp]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
 (--workers 0) or in DataLoader workers; --augment seeded wraps the dataset with distributed.seeded_dataset, and
 numpy-and-owned draws from numpy's global generator and one the dataset owns (seeded per item), wrapped too. The
-model may have dropout (on the GPU where one is visible). Rank 1 (alone: rank 0) signals itself (SIGUSR1) after
-the STOP-th optimizer step of this run (0: never).
+model may have dropout (on the GPU where one is visible). --amp trains as mixed precision does: a float32 model
+under float16 autocast, a GradScaler (kept in the Checkpointer's state) whose scale backs off at an overflow and
+grows after 3 good steps, the gradients unscaled and clipped before its step. Rank 1 (alone: rank 0) signals
+itself (SIGUSR1) after the STOP-th optimizer step of this run (0: never).
 OUT gets the final weights and, per global step, what that step trained on: every rank's (index, input) rows,
-sorted by index (rank 0 gathers them), so runs at different world sizes compare step by step.
+sorted by index (rank 0 gathers them), so runs at different world sizes compare step by step; with --amp,
+OUT.scales the GradScaler's scale and growth tracker as each step began.
 """
 import argparse
 import contextlib
@@ -69,7 +73,9 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
         torch.use_deterministic_algorithms(True)  # bitwise on a GPU also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Dropout(args.dropout),
-                                torch.nn.Linear(16, 1)).double().to(device)
+                                torch.nn.Linear(16, 1)).to(device, torch.float32 if args.amp else torch.float64)
+    # 2**18 overflows float16's gradients at first: steps are skipped, and the scale moves during the run
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**18, growth_interval=3, enabled=args.amp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = Augmented() if args.augment == "global" else distributed.seeded_dataset(Augmented(), seed=3)
     if args.augment == "numpy-and-owned":
@@ -78,10 +84,10 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.persistent)
     torch.manual_seed(1234 + distributed.get_rank())  # dropout masks of each rank's own
-    trained = {}
+    trained, scales = {}, {}
     try:
         ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.accum,
-                            settings={"augment": args.augment}, check_every=1)
+                            settings={"augment": args.augment}, state={"scaler": scaler}, check_every=1)
         ddp = model
         if distributed.get_world_size() > 1:
             ddp = DDP(model, find_unused_parameters=args.ddp == "find-unused")
@@ -93,12 +99,16 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
             batches = done + len(loader)
             for i, (indices, x, y) in enumerate(loader, start=done):
                 indices, x, y = indices.to(device), x.to(device), y.to(device)
+                if args.amp:
+                    x, y = x.float(), y.float()
                 rows = torch.cat([indices.double().unsqueeze(1), x], 1)
                 gathered = distributed.all_gather(rows)  # same shape on every rank: equal batches
                 syncing = (i + 1) % args.accum == 0 or i + 1 == batches  # an epoch's last group may be short
                 group = min(args.accum, batches - i // args.accum * args.accum)
                 with ddp.no_sync() if isinstance(ddp, DDP) and not syncing else contextlib.nullcontext():
-                    (F.mse_loss(ddp(x), y) / group).backward()
+                    with torch.autocast(device.type, torch.float16, enabled=args.amp):
+                        loss = F.mse_loss(ddp(x), y) / group
+                    scaler.scale(loss).backward()
                 step = ckpt.steps + 1
                 signals = distributed.get_rank() == min(1, world_size - 1)
                 if signals and args.stop_mid_group and not syncing and steps_here + 1 == args.stop:
@@ -106,7 +116,12 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
                 everything = gathered.flatten(0, 1)
                 trained[step] = torch.cat([trained.get(step, everything[:0]), everything])
                 if syncing:
-                    optimizer.step()
+                    if args.amp:
+                        scales[step] = torch.tensor([scaler.get_scale(), scaler.state_dict()["_growth_tracker"]])
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    scaler.step(optimizer)  # the optimizer's step, unless the gradients overflowed
+                    scaler.update()
                     optimizer.zero_grad()
                     steps_here += 1
                     if signals and not args.stop_mid_group and steps_here == args.stop:
@@ -119,6 +134,9 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
             previous = torch.load(log) if os.path.exists(log) else {}
             ordered = {step: rows[rows[:, 0].argsort()].cpu() for step, rows in trained.items()}
             torch.save({**previous, **ordered}, log)
+            if args.amp:  # the scale each step ran with, and the good steps counted towards its growth
+                previous = torch.load(args.out + ".scales") if os.path.exists(args.out + ".scales") else {}
+                torch.save({**previous, **scales}, args.out + ".scales")
         distributed.cleanup()
 
 
@@ -137,6 +155,7 @@ def main() -> None:
     p.add_argument("--stop-mid-group", action="store_true", help="signal during step STOP's group, not after it")
     p.add_argument("--ddp", choices=["plain", "find-unused", "shared-memory"], default="plain",
                    help="DDP(model); with find_unused_parameters=True; with shared_memory_allreduce")
+    p.add_argument("--amp", action="store_true", help="float16 autocast, a GradScaler, clipping")
     args = p.parse_args()
     distributed.launch(worker, args, nprocs=args.nprocs)
 
