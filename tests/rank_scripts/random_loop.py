@@ -130,14 +130,14 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
         distributed.save_checkpoint({"model": {k: v.cpu() for k, v in model.state_dict().items()}}, args.out)
     finally:
         if distributed.is_primary():  # what this run trained, step by step, added to the earlier runs'
-            log = args.out + ".steps"
-            previous = torch.load(log) if os.path.exists(log) else {}
-            ordered = {step: rows[rows[:, 0].argsort()].cpu() for step, rows in trained.items()}
-            torch.save({**previous, **ordered}, log)
+            add_to_log(args.out + ".steps", {step: rows[rows[:, 0].argsort()].cpu() for step, rows in trained.items()})
             if args.amp:  # the scale each step ran with, and the good steps counted towards its growth
-                previous = torch.load(args.out + ".scales") if os.path.exists(args.out + ".scales") else {}
-                torch.save({**previous, **scales}, args.out + ".scales")
+                add_to_log(args.out + ".scales", scales)
         distributed.cleanup()
+
+
+def add_to_log(path: str, steps: dict) -> None:
+    torch.save({**(torch.load(path) if os.path.exists(path) else {}), **steps}, path)
 
 
 def main() -> None:
