@@ -1322,9 +1322,7 @@ class _Workers:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
                 self.processes[rank].join()
-                code = self.processes[rank].exitcode
-                forwarded = stopping is not None and -code in stopping.received and rank not in stopping.killed
-                if code != 0 and code not in _STOP_EXITS and not forwarded:
+                if self._failed(rank, stopping):
                     if stopping is not None and rank in stopping.killed:
                         raise self._killed_after_grace(stopping)
                     seen_at = time.time()
@@ -1334,13 +1332,24 @@ class _Workers:
                         # gloo closes a failing rank's connections before its exception reaches Python: the
                         # rank that failed first may still be writing its report. A moment for it to exit.
                         multiprocessing.connection.wait(running, timeout=1.0)
+                    # Before the others are stopped: a rank seen later (a slow launcher sees every exit at once, in
+                    # rank order) may be the one that died first, with no report, its peers' errors collateral.
+                    failed = [r for r, p in enumerate(self.processes)
+                              if p.exitcode is not None and self._failed(r, stopping)]
                     reports = [report for report in map(self.files.report, range(len(self.processes))) if report]
                     # Any rank's timeout counts: the first to exit may be one that then lost its peer.
                     timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
                         any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
                     stacks = _stacks(self.processes, self.files) if timed_out else None  # before the others stop
                     _terminate(self.processes)
-                    raise _root_cause(self.processes, self.files, self.started, rank, seen_at, time.time(), stacks)
+                    raise _root_cause(self.processes, self.files, self.started, rank, failed, seen_at, time.time(),
+                                      stacks)
+
+    def _failed(self, rank: int, stopping: _Stopping | None) -> bool:
+        """Whether an exited rank failed: not 0, not a stop's exit code, not a signal ``stopping`` forwarded."""
+        code = self.processes[rank].exitcode
+        forwarded = stopping is not None and -code in stopping.received and rank not in stopping.killed
+        return code != 0 and code not in _STOP_EXITS and not forwarded
 
     def _killed_after_grace(self, stopping: _Stopping) -> WorkerFailed:
         for p in self.processes:
@@ -1551,9 +1560,10 @@ class _Failure(NamedTuple):
     report: dict | None  # its exception, as _worker_entry recorded it; None: it died without one
 
 
-def _root_cause(processes: list, files: _RankFiles, started: float, first: int, seen_at: float, killed_at: float,
-                stacks: dict | None) -> BaseException:
-    """The failure to report: every rank that raised before the job was stopped competes."""
+def _root_cause(processes: list, files: _RankFiles, started: float, first: int, failed: list[int], seen_at: float,
+                killed_at: float, stacks: dict | None) -> BaseException:
+    """The failure to report: every rank that raised or ``failed`` (exited, failing) before the job was stopped
+    competes; ``first`` is the one the launcher saw first."""
     failures, reports = [], {}
     for rank in range(len(processes)):
         report = reports[rank] = files.report(rank)
@@ -1562,6 +1572,8 @@ def _root_cause(processes: list, files: _RankFiles, started: float, first: int, 
             failures.append(_Failure(collateral, report["time"], rank, report))
         elif rank == first:
             failures.append(_Failure(False, seen_at, rank, None))
+        elif rank in failed:  # died without a report (a signal, a crash in C): seen after the first, it ranks after
+            failures.append(_Failure(False, killed_at, rank, None))
     # A rank that raised or died first is the root cause; errors that only say a peer went
     # away ("connection closed") are what the *other* ranks see, so they rank last.
     root = min(failures, key=lambda f: (f.collateral, f.time, f.rank))

@@ -129,6 +129,38 @@ def test_rank_killed_by_a_signal_is_named(job):
     assert j.leftovers() == []
 
 
+def process_name(pid: int) -> str:
+    """What ps -o comm shows (a rank's <script>:r<rank>); "" once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_the_root_cause_though_the_launcher_sees_it_last(job):
+    """The launcher is stopped (SIGSTOP) while rank 1 dies of SIGKILL and ranks 0 and 2, their peer gone, raise
+    gloo's "Connection closed by peer" and exit; continued, it sees the three exits at once, rank 0's first (a
+    launcher slowed by a loaded machine does so on its own: seen in CI). The report is rank 1's death, not rank
+    0's collateral error, which said nothing of the cause."""
+    j = job("sigkill-when-told", "1", "3")
+    j.wait_ready(3)
+    os.kill(j.proc.pid, signal.SIGSTOP)
+    try:
+        Path(f"{j.ready_dir}.go").touch()
+        deadline = time.monotonic() + 60
+        while ranks := [pid for pid in leftover_processes(f"DDP_TEST_MARKER={j.marker}")
+                        if process_name(pid).startswith("job:r")]:
+            assert time.monotonic() < deadline, f"ranks {ranks} did not exit within 60 s of rank 1's death"
+            time.sleep(0.05)
+    finally:
+        os.kill(j.proc.pid, signal.SIGCONT)
+    code, out, err = j.finish()
+    assert code == 1
+    assert "WorkerFailed: rank 1 was killed by signal SIGKILL" in err, err
+    assert j.leftovers() == []
+
+
 # ---------------------------------------------------------------------------------------------
 # 3-5. Signals to the launcher, and its death: no worker survives
 # ---------------------------------------------------------------------------------------------

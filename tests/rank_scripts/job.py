@@ -39,6 +39,10 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     if behaviour == "sigkill" and rank == bad_rank:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "sigkill-when-told" and rank == bad_rank:
+        while not os.path.exists(ready_dir + ".go"):  # the test has stopped the launcher first
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
     if behaviour == "segv" and rank == bad_rank:
         ctypes.string_at(0)                         # a crash in C code: SIGSEGV
     if behaviour == "wait":
