@@ -1332,8 +1332,8 @@ class _Workers:
                         # gloo closes a failing rank's connections before its exception reaches Python: the
                         # rank that failed first may still be writing its report. A moment for it to exit.
                         multiprocessing.connection.wait(running, timeout=1.0)
-                    # Before the others are stopped: a rank seen later (a slow launcher sees every exit at once, in
-                    # rank order) may be the one that died first, with no report, its peers' errors collateral.
+                    # Before the others are stopped: a rank seen later (a slowed launcher sees every exit at once, in
+                    # any order) may be the one that died first, with no report, its peers' errors collateral.
                     failed = [r for r, p in enumerate(self.processes)
                               if p.exitcode is not None and self._failed(r, stopping)]
                     reports = [report for report in map(self.files.report, range(len(self.processes))) if report]

@@ -140,9 +140,9 @@ def process_name(pid: int) -> str:
 @pytest.mark.slow
 def test_a_killed_rank_is_the_root_cause_though_the_launcher_sees_it_last(job):
     """The launcher is stopped (SIGSTOP) while rank 1 dies of SIGKILL and ranks 0 and 2, their peer gone, raise
-    gloo's "Connection closed by peer" and exit; continued, it sees the three exits at once, rank 0's first (a
-    launcher slowed by a loaded machine does so on its own: seen in CI). The report is rank 1's death, not rank
-    0's collateral error, which said nothing of the cause."""
+    gloo's "Connection closed by peer" and exit; continued, it sees the three exits at once (a launcher slowed by a
+    loaded machine does so on its own: seen in CI). The report is rank 1's death, not a peer's collateral error,
+    which says nothing of the cause (before the fix: rank 2's)."""
     j = job("sigkill-when-told", "1", "3")
     j.wait_ready(3)
     os.kill(j.proc.pid, signal.SIGSTOP)
