@@ -360,10 +360,10 @@ def seeding_floor_us() -> tuple[float, float]:
     main process also saves and restores Python's and torch's (numpy's is swapped: well under 1 us). The VM's
     speed moves these by up to 1.6x from one hour to the next: the floor says how much of a read is the machine."""
     cpu, numpy = torch.default_generator, sys.modules.get("numpy")
+    call = min(timeit.repeat(lambda: None, number=READS, repeat=5))  # the lambda's own call, taken off each piece
 
     def us(piece: Callable[[], Any]) -> float:
-        best = min(timeit.repeat(piece, number=READS, repeat=5)) - min(timeit.repeat(lambda: None, number=READS))
-        return best / READS * 1e6
+        return (min(timeit.repeat(piece, number=READS, repeat=5)) - call) / READS * 1e6
 
     seeds = us(lambda: cpu.manual_seed(123456789)) + us(lambda: random.seed(123456789))
     seeds += us(lambda: int.from_bytes(hashlib.blake2b(b"1/0/123", digest_size=8).digest(), "little"))
