@@ -110,7 +110,9 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     signal). Ctrl-C stops every worker at once. SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to the
     workers, which get ``grace`` seconds (below SLURM's default KillWait, 30 s) to save and exit
     before SIGKILL; then this process dies of the same signal. Workers that exit with 128 + a stop
-    signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code.
+    signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code. Each worker
+    has a session of its own (as under torchrun): one that does not return takes what it started (its
+    DataLoader workers) with it.
     """
     env = _launcher_env()
     if env is not None:
@@ -1294,6 +1296,7 @@ class _Workers:
         self.started = time.time()  # NCCL flight-recorder dumps older than this are another job's
         self.processes: list[mp.Process] = []
         self.store = None
+        self._ended: set[int] = set()  # ranks whose leftover processes were killed (see _end)
         try:
             with stop_signals_blocked():  # the forkserver the workers come from must outlive a group's signal
                 self._start(worker, nprocs, args, env)
@@ -1321,7 +1324,7 @@ class _Workers:
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
-                self.processes[rank].join()
+                self._end(rank)
                 if self._failed(rank, stopping):
                     if stopping is not None and rank in stopping.killed:
                         raise self._killed_after_grace(stopping)
@@ -1341,7 +1344,7 @@ class _Workers:
                     timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
                         any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
                     stacks = _stacks(self.processes, self.files) if timed_out else None  # before the others stop
-                    _terminate(self.processes)
+                    self._stop_all()
                     raise _root_cause(self.processes, self.files, self.started, rank, failed, seen_at, time.time(),
                                       stacks)
 
@@ -1363,9 +1366,35 @@ class _Workers:
 
     def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
-        _terminate(self.processes)
+        self._stop_all()
         self.store = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop_all(self) -> None:
+        alive = [p for p in self.processes if p.is_alive()]
+        for p in alive:
+            p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
+        deadline = time.monotonic() + _GRACE_S
+        for p in alive:
+            p.join(max(deadline - time.monotonic(), 0))
+            if p.is_alive():
+                p.kill()
+        for rank, p in enumerate(self.processes):
+            if p.pid is not None:
+                self._end(rank)
+
+    def _end(self, rank: int) -> None:
+        """Wait for a rank that has exited; unless it exited 0, SIGKILL what is left of its session (see
+        _worker_entry). A DataLoader worker whose rank died before the worker's loop began takes init for its
+        parent, so never sees the death: it would run forever, holding the launcher's output open. At once and
+        once: the session's number could be another's long after it emptied. What a rank that finished
+        leaves running (an upload, say) is its own, as under torchrun."""
+        p = self.processes[rank]
+        p.join()
+        if rank not in self._ended and p.exitcode != 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        self._ended.add(rank)
 
 def _start_context() -> Any:
     """forkserver: it imports torch once and forks every worker from that clean state; each imports the
@@ -1383,9 +1412,13 @@ def _start_context() -> Any:
 def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tuple,
                   env: dict[str, str], parent_pid: int) -> None:
     """The main of a process spawned by launch(): run the worker, record any error, exit non-zero."""
+    # Its own session, as torchrun's agent gives each rank: what it starts (DataLoader workers) can be ended with
+    # it (_Workers._end), and Ctrl-C in a terminal reaches the launcher alone, which stops every rank.
+    os.setsid()
     gc.freeze()  # torch's many objects live as long as this process: no full collection need scan them
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the forkserver (see _Workers)
-    # The parent owns Ctrl-C and stops every worker: N KeyboardInterrupt tracebacks would bury the report.
+    # SIGINT sent to every process (scancel --signal=INT) is the launcher's too: N KeyboardInterrupt tracebacks
+    # would bury its report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
     # A rank that dies of a fatal signal (SIGABRT from NCCL's watchdog) leaves its stacks there too.
@@ -1517,18 +1550,6 @@ def _forwarding_stop_signals(processes: list, grace: float) -> Iterator[_Stoppin
         if stopping.received and sys.exception() is None:
             shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
             signal.raise_signal(stopping.received[0])
-
-
-def _terminate(processes: list) -> None:
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
-    deadline = time.monotonic() + _GRACE_S
-    for p in alive:
-        p.join(max(deadline - time.monotonic(), 0))
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 # ------------------------------ The failure report: the root cause, not the collateral ---------

@@ -387,7 +387,8 @@ def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, s
     except AssertionError as e:
         failure = e
     finally:
-        with contextlib.suppress(ProcessLookupError):  # the job, or ranks it left behind
+        signal_every_process(signal.SIGKILL)(proc.pid)  # the job, launch()'s ranks in their own sessions included
+        with contextlib.suppress(ProcessLookupError):  # what a launcher that exited left behind
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for reader in readers:  # the group is gone: its pipes close
@@ -397,6 +398,32 @@ def signal_once_printed(command: list[str], cwd: str | os.PathLike, line: str, s
         raise AssertionError(f"{command} {failure} (exit code {proc.returncode}); stdout, seconds from the start:\n"
                              f"{printed}stderr:\n{''.join(err)}")
     return proc.returncode, job_output("".join(text for _, text in out)), "".join(err), seconds
+
+
+def signal_every_process(sig: int) -> Callable[[int], None]:
+    """What sends ``sig`` to a process and every process below it, as SLURM signals every process of a job step
+    (a shell's Ctrl-C reaches only the launcher's process group: launch() gives each rank a session of its own)."""
+    def send(pid: int) -> None:
+        for each in process_tree(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, sig)
+    return send
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and the processes below it, parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    tree = [pid]
+    for each in tree:  # grows as it goes: breadth first
+        tree += children.get(each, [])
+    return tree
 
 
 def _collect(stream: Any, into: list, began: float | None, arrived: queue.Queue | None) -> None:

@@ -161,6 +161,20 @@ def test_a_killed_rank_is_the_root_cause_though_the_launcher_sees_it_last(job):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
+def test_loader_workers_of_a_killed_rank_do_not_outlive_the_job(job):
+    """Rank 1 is SIGKILLed while its two DataLoader workers start, before their loop (which watches the parent)
+    begins: they would take init for their parent and run forever, holding the launcher's stderr open, then print
+    multiprocessing's FileNotFoundError tracebacks under the report. launch() kills what is left of a dead rank's
+    session."""
+    j = job("sigkill-as-loader-starts", "1", "2")
+    code, out, err = j.finish(timeout=60)
+    assert code == 1
+    assert "WorkerFailed: rank 1 was killed by signal SIGKILL" in err, err
+    assert "FileNotFoundError" not in err, err
+    assert j.leftovers() == []
+
+
 # ---------------------------------------------------------------------------------------------
 # 3-5. Signals to the launcher, and its death: no worker survives
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 import checkpointer
 import distributed
-from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_once_printed,
-                     start, start_ranks, wait_for_job)
+from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_every_process,
+                     signal_once_printed, start, start_ranks, wait_for_job)
 
 
 # 2 epochs of 16 steps at world 2 (2048 samples, 64 per process), in float64; a stop is checked after every step.
@@ -290,15 +290,15 @@ def uninterrupted_small_batches(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["", "forkserver"], ids=["platform-default", "forkserver-as-python-3.14"])
-def test_dataloader_workers_survive_a_signal_to_the_whole_process_group(uninterrupted_small_batches, tmp_path,
-                                                                        start_method):
-    """SLURM and shells signal every process of the job: with --workers 2 the loader workers must not die
-    of it, though the ranks keep fetching batches for 98 more steps until the check at step 100. Under a
-    forkserver (Python 3.14's default) they are its children: its death would end them."""
+def test_dataloader_workers_survive_a_signal_to_every_process_of_the_job(uninterrupted_small_batches, tmp_path,
+                                                                          start_method):
+    """SLURM signals every process of a job step: with --workers 2 the loader workers must not die of it,
+    though the ranks keep fetching batches for 98 more steps until the check at step 100. Under a forkserver
+    (Python 3.14's default) they are its children: its death would end them."""
     flags = [*SMALL_BATCHES, "--workers", "2", "--snapshot", str(tmp_path / "snap.pt"),
              "--save-model", str(tmp_path / "model.pt")]
     code, out, err, _ = signal_once_printed(driver_command(tmp_path, *flags, "--log-every", "1"), tmp_path,
-                                            "[global] epoch 1 step 2/64", lambda pid: os.killpg(pid, signal.SIGUSR1),
+                                            "[global] epoch 1 step 2/64", signal_every_process(signal.SIGUSR1),
                                             {**SETTINGS, "START_METHOD": start_method})
     assert "stopped by SIGUSR1 after 1 epoch and 36 steps" in out and code == -signal.SIGUSR1, err
     assert "Traceback" not in err, err

@@ -4,7 +4,9 @@ RANK is the rank that misbehaves. Each rank writes its parent's pid into a file 
 With JOB_THREAD set, the launcher runs a second thread; with LAUNCHER_SEES_CUDA set, the launcher (only)
 believes a GPU is visible, as on a GPU machine where the job itself chose gloo.
 """
+import contextlib
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -27,6 +29,11 @@ def abort_here():
     os.abort()
 
 
+def kill_the_rank(rank_pid, worker_id):
+    with contextlib.suppress(ProcessLookupError):   # the other loader worker was first
+        os.kill(rank_pid, signal.SIGKILL)
+
+
 def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     distributed.init_process_group(local_rank, world_size, timeout=timeout)
     distributed.reduce(torch.ones(1))               # everyone is connected
@@ -43,6 +50,11 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         while not os.path.exists(ready_dir + ".go"):  # the test has stopped the launcher first
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "sigkill-as-loader-starts" and rank == bad_rank:
+        # Killed before its DataLoader workers enter their loop: torch's watchdog there then takes init for
+        # their parent, and they never see the death (as when the OOM killer strikes at an epoch's start).
+        init = functools.partial(kill_the_rank, os.getpid())
+        next(iter(torch.utils.data.DataLoader(range(4), num_workers=2, worker_init_fn=init)))
     if behaviour == "segv" and rank == bad_rank:
         ctypes.string_at(0)                         # a crash in C code: SIGSEGV
     if behaviour == "wait":
