@@ -1371,6 +1371,7 @@ class _Workers:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _stop_all(self) -> None:
+        """SIGTERM every live rank, SIGKILL those still alive after _GRACE_S, then _end() each."""
         alive = [p for p in self.processes if p.is_alive()]
         for p in alive:
             p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
@@ -1395,6 +1396,7 @@ class _Workers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
         self._ended.add(rank)
+
 
 def _start_context() -> Any:
     """forkserver: it imports torch once and forks every worker from that clean state; each imports the
