@@ -4,10 +4,12 @@ The models, data, tasks and process helpers the tests use are in harness.py.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
 import signal
+import tempfile
 import warnings
 
 # torch's notice, where numpy is missing (a fresh machine, as CI's first run), that it could not load it.
@@ -32,6 +34,13 @@ for name in [name for name in os.environ if (name.startswith(LAUNCHER_PREFIXES) 
 # stdout unbuffered too, and torch 2.8-2.10's gloo then writes its connection line piece by piece, the ranks' pieces
 # interleaved mid-line; buffered, each such line is one write, which harness.job_output takes out whole.
 os.environ.pop("PYTHONUNBUFFERED", None)
+# What the suite's failures and kills leave in the temporary directory (ddp_check's traceback files, hang reports'
+# stacks, torchrun's and SIGKILLed launchers' directories) goes into one directory per pytest process, which it
+# removes at its end. Short: a forkserver's socket below it stays within AF_UNIX's 107 bytes.
+SUITE_TMPDIR = tempfile.mkdtemp(prefix="ddp-suite-")
+os.environ["TMPDIR"] = SUITE_TMPDIR
+tempfile.tempdir = None  # this process, too, reads TMPDIR again
+atexit.register(shutil.rmtree, SUITE_TMPDIR, ignore_errors=True)
 ROOT = os.path.dirname(os.path.abspath(__file__))
 collect_ignore = [os.path.join(folder, name) for folder in (".", "tests")
                   for name in os.listdir(os.path.join(ROOT, folder))
