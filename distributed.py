@@ -111,7 +111,7 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
     workers, which get ``grace`` seconds (below SLURM's default KillWait, 30 s) to save and exit
     before SIGKILL; then this process dies of the same signal. Workers that exit with 128 + a stop
     signal's number (or REQUEUE_EXIT) did stop, not fail: this process exits with that code. Each worker
-    has a session of its own (as under torchrun): one that does not return takes what it started (its
+    has a session of its own (as under torchrun): one killed by a signal takes what it started (its
     DataLoader workers) with it.
     """
     env = _launcher_env()
@@ -1385,14 +1385,15 @@ class _Workers:
                 self._end(rank)
 
     def _end(self, rank: int) -> None:
-        """Wait for a rank that has exited; unless it exited 0, SIGKILL what is left of its session (see
+        """Wait for a rank that has exited; if a signal killed it, SIGKILL what is left of its session (see
         _worker_entry). A DataLoader worker whose rank died before the worker's loop began takes init for its
         parent, so never sees the death: it would run forever, holding the launcher's output open. At once and
-        once: the session's number could be another's long after it emptied. What a rank that finished
-        leaves running (an upload, say) is its own, as under torchrun."""
+        once: the session's number could be another's long after it emptied. A rank that exited ran Python's
+        exit, which ends its loader workers; what else it leaves running (an upload, say) is its own, as
+        under torchrun."""
         p = self.processes[rank]
         p.join()
-        if rank not in self._ended and p.exitcode != 0:
+        if rank not in self._ended and p.exitcode < 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
         self._ended.add(rank)

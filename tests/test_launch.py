@@ -175,6 +175,24 @@ def test_loader_workers_of_a_killed_rank_do_not_outlive_the_job(job):
     assert j.leftovers() == []
 
 
+@pytest.mark.slow
+def test_only_a_rank_killed_by_a_signal_has_its_children_killed(job):
+    """Each rank starts a child (a `sleep`, as an upload would run); rank 1 raises, and the launcher's SIGTERM
+    kills rank 0 (it has no handler). Rank 1 ran Python's exit, which ends its loader workers: its child is its
+    own and lives on, as under torchrun. Rank 0 ran nothing: its session is killed, its child with it."""
+    j = job("raise-leaving-a-child", "1", "2")
+    code, out, err = j.finish()
+    children = [int((j.ready_dir / f"child{rank}").read_text()) for rank in (0, 1)]
+    try:
+        assert code == 1 and "ValueError: root cause on rank 1" in err, err
+        deadline = time.monotonic() + 5  # rank 0's child may take a moment to die
+        while (left := j.leftovers(within=0)) != [children[1]] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left == [children[1]], f"children {children} of ranks 0 and 1; alive: {left}"
+    finally:
+        j.kill_all()
+
+
 # ---------------------------------------------------------------------------------------------
 # 3-5. Signals to the launcher, and its death: no worker survives
 # ---------------------------------------------------------------------------------------------

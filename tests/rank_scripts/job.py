@@ -9,6 +9,7 @@ import ctypes
 import functools
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,6 +41,13 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     rank = distributed.get_rank()
     with open(os.path.join(ready_dir, f"ready{rank}"), "w") as f:
         f.write(str(os.getppid()))
+    if behaviour == "raise-leaving-a-child":           # what a rank starts and leaves running (an upload, say)
+        child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(os.path.join(ready_dir, f"child{rank}"), "w") as f:
+            f.write(str(child.pid))
+        distributed.barrier()                       # every rank has started its own before one fails
+        if rank == bad_rank:
+            raise ValueError(f"root cause on rank {rank}")
     if behaviour == "raise" and rank == bad_rank:
         time.sleep(0.2)                             # the others are already waiting below
         raise ValueError(f"root cause on rank {rank}")
