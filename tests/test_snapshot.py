@@ -252,21 +252,27 @@ def wait_for(pid: int, timeout: float = 60) -> None:
 
 @pytest.mark.slow
 def test_sigkill_at_100_random_points_during_save_never_corrupts_the_snapshot(tmp_path):
+    """A child saving a 16 MB snapshot over the last one is SIGKILLed 100 times at a random moment: the file
+    always loads, as the old version or the new one, never a mix."""
     path = tmp_path / "snap.pt"
     distributed.save_checkpoint(versioned_state(0), path)
     started = time.perf_counter()
     wait_for(save_in_child(versioned_state(1), path))
-    save_time = time.perf_counter() - started
+    window = 1.2 * (time.perf_counter() - started)  # from the start to past the rename, at first
     rng, current, outcomes = random.Random(0), 1, {"old": 0, "new": 0}
     for _ in range(100):
         pid = save_in_child(versioned_state(current + 1), path)
-        time.sleep(rng.uniform(0, 1.2 * save_time))
+        time.sleep(rng.uniform(0, window))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         state = distributed.load_checkpoint(path)  # must always load
         assert state["version"] in (current, current + 1)
         assert torch.equal(state["payload"], torch.full_like(state["payload"], float(state["version"])))
-        outcomes["new" if state["version"] == current + 1 else "old"] += 1
+        renamed = state["version"] == current + 1
+        outcomes["new" if renamed else "old"] += 1
+        # A kill after the rename shortens the window, one before lengthens it: the kills keep landing on both
+        # sides of the rename however long a save takes now (a loaded machine once made 96 of 100 land after).
+        window = window / 1.1 if renamed else window * 1.1
         current = state["version"]
     assert min(outcomes.values()) >= 5, f"kills should land both before and after the rename: {outcomes}"
 

@@ -45,7 +45,7 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(ready_dir, f"child{rank}"), "w") as f:
             f.write(str(child.pid))
-        distributed.barrier()                       # every rank has started its own before one fails
+        distributed.reduce(torch.ones(1))           # every rank has started its own before one fails
         if rank == bad_rank:
             raise ValueError(f"root cause on rank {rank}")
     if behaviour == "raise" and rank == bad_rank:
