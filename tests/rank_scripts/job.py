@@ -48,6 +48,7 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         distributed.reduce(torch.ones(1))           # every rank has started its own before one fails
         if rank == bad_rank:
             raise ValueError(f"root cause on rank {rank}")
+        time.sleep(3600)                            # no collective to fail in: the launcher's SIGTERM kills it
     if behaviour == "raise" and rank == bad_rank:
         time.sleep(0.2)                             # the others are already waiting below
         raise ValueError(f"root cause on rank {rank}")
