@@ -1296,7 +1296,7 @@ class _Workers:
         self.started = time.time()  # NCCL flight-recorder dumps older than this are another job's
         self.processes: list[mp.Process] = []
         self.store = None
-        self._ended: set[int] = set()  # ranks whose leftover processes were killed (see _end)
+        self._ended: set[int] = set()  # ranks _end() has seen exit: a session is killed at most once
         try:
             with stop_signals_blocked():  # the forkserver the workers come from must outlive a group's signal
                 self._start(worker, nprocs, args, env)
