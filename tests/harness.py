@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue
 import re
+import runpy
 import secrets
 import signal
 import socket
@@ -34,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import distributed
+import forked_python
 from ddp_check import assert_ddp_equivalent
 from shared_memory_allreduce import shared_memory_allreduce
 
@@ -303,18 +305,26 @@ def job_output(stdout: str | None) -> str | None:
 
 
 def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = None, own_session: bool = False,
-          **popen: Any) -> subprocess.Popen:
+          **popen: Any) -> subprocess.Popen | forked_python.ForkedProcess:
     """The one way a test starts a process: ``command`` in ``cwd``, ``env`` added to this process's environment (a
     None value removes that variable), stdout and stderr captured as text; wait for it with finish() or at_once().
+    `python script.py` and `python -m module` come forked from a process that imported torch already where that is
+    what a fresh interpreter would be (forked_python.py), and as a fresh interpreter elsewhere.
     ``own_session``: a session and process group of its own, with SIGINT's default disposition, for a process the
     test signals (a suite started with SIGINT ignored, `nohup python -m pytest &` or some CI runners, would pass
     that on and the child would not stop). ``popen``: what subprocess.Popen takes besides (stdin, stdout to a
     file)."""
-    if own_session:
-        popen.update(start_new_session=True, preexec_fn=_default_sigint)
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
     environ = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
+    command = [os.fspath(part) for part in command]
+    if command[:2] == [sys.executable, str(MIN_DDP)]:  # the driver's exec, done here: one process fewer
+        command, environ = _min_ddp_driver()(command[2:], environ)
+    forked = forked_python.start(command, cwd, environ, own_session, **popen)
+    if forked is not None:
+        return forked
+    if own_session:
+        popen.update(start_new_session=True, preexec_fn=_default_sigint)
     return subprocess.Popen(command, cwd=cwd, env=environ, text=True, **popen)
 
 
@@ -458,6 +468,12 @@ def start_ranks(command: list[str], cwd: str | os.PathLike, world: int = 2, pref
               "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     return [start([*(prefixes or [[]] * world)[rank], sys.executable, *command], cwd,
                   {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)]
+
+
+@functools.cache
+def _min_ddp_driver() -> Callable[[list[str], dict], tuple[list[str], dict]]:
+    """min_ddp_driver.command: the command line and environment that driver runs min_ddp.py with."""
+    return runpy.run_path(str(MIN_DDP))["command"]
 
 
 def _default_sigint() -> None:

@@ -74,15 +74,23 @@ class Job:
             pytest.fail(f"{what} (killed after {timeout} s)\nstdout:\n{out}\nstderr:\n{err}")
         return self.proc.returncode, out, err
 
+    def processes(self) -> list[int]:
+        """The job's live processes: each that inherited its marker, and the launcher (one harness.start forked
+        shows its server's first environment in /proc, without the marker: forked_python.py)."""
+        found = leftover_processes(f"DDP_TEST_MARKER={self.marker}")
+        if self.proc.poll() is None and self.proc.pid not in found:
+            found.append(self.proc.pid)
+        return found
+
     def leftovers(self, within: float = 5.0) -> list[int]:
         """Processes of this job still alive after ``within`` seconds (polled: none is the goal)."""
         deadline = time.monotonic() + within
-        while (left := leftover_processes(f"DDP_TEST_MARKER={self.marker}")) and time.monotonic() < deadline:
+        while (left := self.processes()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return left
 
     def kill_all(self) -> None:
-        for pid in leftover_processes(f"DDP_TEST_MARKER={self.marker}"):
+        for pid in self.processes():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -326,7 +334,7 @@ def test_explicit_master_port_is_used(job):
     j = job("wait", "0", "2", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     j.wait_ready(2)
     # torch's TCPStore binds every interface; only the default file rendezvous is loopback-only.
-    assert port in {p for _, p in listening_sockets(leftover_processes(f"DDP_TEST_MARKER={j.marker}"))}
+    assert port in {p for _, p in listening_sockets(j.processes())}
     os.kill(j.proc.pid, signal.SIGTERM)
     j.finish()
 
@@ -347,7 +355,7 @@ def test_busy_explicit_master_port_is_a_clear_error(job):
 def test_local_job_listens_on_loopback_only(job):
     j = job("wait", "0", "3")
     j.wait_ready(3)
-    sockets = listening_sockets(leftover_processes(f"DDP_TEST_MARKER={j.marker}"))
+    sockets = listening_sockets(j.processes())
     os.kill(j.proc.pid, signal.SIGTERM)
     j.finish()
     assert sockets, "gloo should listen on some loopback port"

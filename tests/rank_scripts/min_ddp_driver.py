@@ -11,13 +11,23 @@ START_METHOD: multiprocessing's default start method inside each rank (forkserve
 CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) after that optimizer step.
 SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
 training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
+harness.start() runs what command() returns directly (forked_python.py), without this process in between.
 """
 import os
 import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-repo = os.path.dirname(os.path.dirname(here))  # tests/rank_scripts/ -> the repository
-path = os.pathsep.join(p for p in (os.path.join(here, "min_ddp_hooks"), repo, os.environ.get("PYTHONPATH")) if p)
-size = ["--train-size", os.environ["TRAIN_SIZE"]] if os.environ.get("TRAIN_SIZE") else []
-os.execve(sys.executable, [sys.executable, os.path.join(repo, "min_ddp.py"), *sys.argv[1:], *size],
-          {**os.environ, "PYTHONPATH": path})
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOOKS = os.path.join(HERE, "min_ddp_hooks")
+
+
+def command(flags: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment this driver runs min_ddp.py with, given its own."""
+    repo = os.path.dirname(os.path.dirname(HERE))  # tests/rank_scripts/ -> the repository
+    path = os.pathsep.join(p for p in (HOOKS, repo, environ.get("PYTHONPATH")) if p)
+    size = ["--train-size", environ["TRAIN_SIZE"]] if environ.get("TRAIN_SIZE") else []
+    return [sys.executable, os.path.join(repo, "min_ddp.py"), *flags, *size], {**environ, "PYTHONPATH": path}
+
+
+if __name__ == "__main__":
+    argv, env = command(sys.argv[1:], dict(os.environ))
+    os.execve(sys.executable, argv, env)
