@@ -222,6 +222,8 @@ def _startup(environ: dict[str, str]) -> tuple:
 
 
 def _can_fork(command: list[str], environ: dict[str, str], popen: dict) -> bool:
+    if sys.platform != "linux":  # the suite's other platforms start every process fresh
+        return False
     if len(command) < 2 or command[0] != sys.executable or set(popen) - {"stdin", "stdout", "stderr"}:
         return False
     if command[1] == "-m":

@@ -13,7 +13,8 @@ import pytest
 import forked_python
 from harness import HERE, SCRIPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sys.platform != "linux", reason="forked_python.py forks on Linux only")]
 
 PROBE = '''
 import multiprocessing.spawn, os, signal, sys, tempfile
