@@ -3,18 +3,20 @@
 `python script.py` spends 1-2 CPU-s in `import torch` before the script's first line, and the suite starts a few
 hundred such processes on two cores. So a pytest process starts a server (this file, run as a script) for each
 start-up environment it asks for twice; the server imports torch once and forks each process asked of it, as
-launch()'s forkserver forks its ranks. The child sets up what a fresh `python script.py` (or `python -m module`)
-would have: argv, sys.path, working directory, environment, stdin/stdout/stderr, a session of its own where asked;
-imports min_ddp's hooks (a sitecustomize) where its PYTHONPATH names them; and runs the script as __main__, an
-uncaught exception printed from the script's frames on. The server relays its exit code; start() returns a
-Popen-like ForkedProcess. Measured: 0.2-0.4 CPU-s a process instead of 1.3-1.6 (bench/BENCHMARKS.md).
+launch()'s forkserver forks its ranks. The child sets up what a fresh `python script.py` (or `python -m module`;
+`torchrun` is `python -m torch.distributed.run`, its agent forked, its workers fresh as always) would have: argv,
+sys.path, working directory, environment, stdin/stdout/stderr, a session of its own where asked; imports min_ddp's
+hooks (a sitecustomize) where its PYTHONPATH names them; and runs the script as __main__, an uncaught exception
+printed from the script's frames on. The server relays its exit code; start() returns a Popen-like ForkedProcess.
+Measured: 0.2-0.4 CPU-s a process instead of 1.3-1.6 (bench/BENCHMARKS.md).
 
 Where a child could not be what a fresh interpreter is, harness.start() starts a fresh one: a start-up setting
 (PYTHON*, TORCH*, OMP_*, locale, TMPDIR...) other than the server's; a sitecustomize other than the hooks (the
 no-numpy tests' hides numpy from `import torch`); a torch whose import warns (no numpy installed: a forked child
-would not print it). Different all the same: /proc shows the server's command line and first environment for
-the child itself, not its own (what the child starts shows its own); it shares the server's hash seed; and
-torch's own objects are frozen out of its garbage collections, as in launch()'s ranks.
+would not print it). Different all the same: /proc shows the server's command line and first environment for the
+child itself, not its own (what the child starts shows its own); it shares the server's hash seed; torchrun's usage
+and argument errors name it run.py; and torch's own objects are frozen out of its garbage collections, as in
+launch()'s ranks.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_scripts",
 def start(command: list[str], cwd: str, environ: dict[str, str], own_session: bool,
           **popen: Any) -> ForkedProcess | None:
     """``command`` forked from the server, or None where it must start as a fresh interpreter (see above)."""
-    command = [os.fspath(part) for part in command]
+    asked = [os.fspath(part) for part in command]
+    command = _as_python(asked)
     if not _can_fork(command, environ, popen):
         return None
     server = _servers().get(_startup(environ))
@@ -82,7 +85,7 @@ def start(command: list[str], cwd: str, environ: dict[str, str], own_session: bo
         for fd in fds:
             os.close(fd)
         status.close()
-    return ForkedProcess(command, mine, ends)
+    return ForkedProcess(asked, mine, ends)
 
 
 class ForkedProcess:
@@ -219,6 +222,14 @@ def _startup(environ: dict[str, str]) -> tuple:
     read = [(name, value) for name, value in environ.items() if name.startswith(STARTUP_PREFIXES)
             and not name.startswith(LOADED_IN_THE_CHILD) and name != "PYTHONPATH"]
     return (*sorted(read), ("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
+
+
+def _as_python(command: list[str]) -> list[str]:
+    """`torchrun ...` as `python -m torch.distributed.run ...`, which torch documents as the same program (its
+    console script imports that module's main and calls it), where that script is the one beside this Python."""
+    if command[:1] == ["torchrun"] and os.path.isfile(os.path.join(os.path.dirname(sys.executable), "torchrun")):
+        return [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    return command
 
 
 def _can_fork(command: list[str], environ: dict[str, str], popen: dict) -> bool:

@@ -40,12 +40,12 @@ elif how == "kill":
 '''
 
 
-def both_ways(tmp_path: Path, how: str, env: dict, own_session: bool) -> tuple:
-    """(fresh, forked) results of the probe: (exit code, stdout, stderr) each."""
+def both_ways(tmp_path: Path, how: str, env: dict, own_session: bool, runner: tuple = (sys.executable,)) -> tuple:
+    """(fresh, forked) results of the probe run by ``runner``: (exit code, stdout, stderr) each."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     environ = {**os.environ, "PROBE": how, **env}
-    command = [sys.executable, str(script), how]
+    command = [*runner, str(script), how]
     results = []
     fresh = subprocess.Popen(command, cwd=tmp_path, env=environ, text=True, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=own_session,
@@ -95,3 +95,13 @@ def test_another_sitecustomize_or_a_shorter_path_starts_fresh(tmp_path):
             assert forked_python.start(command, str(tmp_path), {**os.environ, **env}, False) is None, env
     for _ in range(2):
         assert forked_python.start([sys.executable, "-c", "pass"], str(tmp_path), dict(os.environ), False) is None
+
+
+def test_torchrun_forked_runs_and_fails_its_worker_as_a_fresh_one(tmp_path):
+    """`torchrun` comes forked as `python -m torch.distributed.run`: its worker (the probe, a fresh process either
+    way) prints the same, and its sys.exit(3) ends the run alike, torchrun's exit code 1 (stderr holds the run's
+    random ids and ports: not compared)."""
+    fresh, forked = both_ways(tmp_path, "exit", {}, own_session=False,
+                              runner=("torchrun", "--standalone", "--nproc_per_node=1"))
+    assert forked[:2] == fresh[:2]
+    assert fresh[0] == 1 and "argv" in fresh[1], fresh
