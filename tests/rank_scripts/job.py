@@ -55,6 +55,10 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     if behaviour == "sigkill" and rank == bad_rank:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "sigkill-seen-late" and rank == bad_rank:
+        torch.distributed.destroy_process_group()   # its peers fail at once ("connection closed")
+        time.sleep(0.2)                             # its own death reaches the launcher after theirs
+        os.kill(os.getpid(), signal.SIGKILL)
     if behaviour == "sigkill-when-told" and rank == bad_rank:
         while not os.path.exists(ready_dir + ".go"):  # the test has stopped the launcher first
             time.sleep(0.05)
