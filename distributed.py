@@ -1330,12 +1330,13 @@ class _Workers:
                         raise self._killed_after_grace(stopping)
                     seen_at = time.time()
                     first = self.files.report(rank)
-                    running = [p.sentinel for p in self.processes if p.exitcode is None]
                     if first is not None and re.search(_COLLATERAL, first["traceback"]):
                         # gloo closes a failing rank's connections before its exception reaches Python: the
                         # rank that failed first may still be writing its report, and a busy machine can report
                         # the exit of a rank killed by a signal after its peers'. A moment for every rank to exit.
-                        _wait_all(running, timeout=1.0)
+                        deadline = time.monotonic() + 1.0
+                        for p in self.processes:
+                            p.join(max(deadline - time.monotonic(), 0))
                     # Before the others are stopped: a rank seen later (a slowed launcher sees every exit at once, in
                     # any order) may be the one that died first, with no report, its peers' errors collateral.
                     failed = [r for r, p in enumerate(self.processes)
@@ -1398,14 +1399,6 @@ class _Workers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
         self._ended.add(rank)
-
-
-def _wait_all(sentinels: list, timeout: float) -> None:
-    """Wait until every one of ``sentinels`` is ready, or ``timeout`` seconds have passed."""
-    deadline = time.monotonic() + timeout
-    while sentinels and (left := deadline - time.monotonic()) > 0:
-        ready = multiprocessing.connection.wait(sentinels, timeout=left)
-        sentinels = [sentinel for sentinel in sentinels if sentinel not in ready]
 
 
 def _start_context() -> Any:
