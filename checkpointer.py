@@ -338,9 +338,13 @@ def requeue() -> bool:
     if scontrol is None:
         print(f"requeue: scontrol is not on PATH here, so job {job} is not requeued", file=sys.stderr, flush=True)
         return False
-    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    # SLURM ends every process of the job once it requeues it, scontrol too: on a busy node before scontrol
+    # has exited, and a requeue done would read as failed. The signals blocked, it exits with its answer.
+    with distributed.stop_signals_blocked():
+        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
-        print(f"requeue: `scontrol requeue {job}` failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
+        print(f"requeue: `scontrol requeue {job}` failed (exit code {done.returncode}): {done.stderr.strip()}",
+              file=sys.stderr, flush=True)
     return done.returncode == 0
 
 

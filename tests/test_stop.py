@@ -315,12 +315,13 @@ SBATCH = textwrap.dedent('''\
 ''')
 
 
-def sbatch(tmp_path: Path, *options: str, slow_first_run: float) -> str:
-    """Submit min_ddp as a 2-task batch job that may be requeued; its id."""
+def sbatch(tmp_path: Path, *options: str, slow_first_run: float, env: dict[str, str] | None = None) -> str:
+    """Submit min_ddp as a 2-task batch job that may be requeued, with ``env`` added to the job's; its id."""
     flags = [*FLAGS[2:], "--snapshot", "snap.pt", "--save-model", "model.pt", "--log-every", "1"]
     (tmp_path / "job.sbatch").write_text(SBATCH.format(command=" ".join(driver_command(tmp_path, *flags))))
+    env = {**SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run), **(env or {})}
     out = run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm.out", *options,
-               str(tmp_path / "job.sbatch")], env={**SETTINGS, "SLOW_FIRST_RUN": str(slow_first_run)}, timeout=30)
+               str(tmp_path / "job.sbatch")], env=env, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -332,9 +333,13 @@ def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, unin
     with at most 70 + 30 s left, so USR1 reaches the srun step 20 to 50 s into the run, long after the
     Checkpointer installed its handlers (a few seconds in; with --time=1 it came at once and killed the
     job); every rank saves, the primary requeues the job, and the rerun resumes and finishes with the
-    uninterrupted run's model."""
+    uninterrupted run's model. scontrol is slow to exit there (rank_scripts/slow_scontrol): SLURM ends the job's
+    processes on the requeue before it has, as on a busy node, and the requeue must still read as done."""
     model, done, _ = uninterrupted
-    info = wait_for_job(sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3))  # 96 s of steps
+    slow_scontrol = {"PATH": f"{SCRIPTS / 'slow_scontrol'}{os.pathsep}{os.environ['PATH']}",
+                     "REAL_SCONTROL": shutil.which("scontrol")}
+    job = sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3, env=slow_scontrol)  # 96 s of steps
+    info = wait_for_job(job)
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
     assert log.count("; saved to snap.pt; requeued") == 1, log
