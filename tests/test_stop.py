@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import checkpointer
+import conftest
 import distributed
 from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_every_process,
                      signal_once_printed, start, start_ranks, wait_for_job)
@@ -326,19 +327,37 @@ def sbatch(tmp_path: Path, *options: str, slow_first_run: float, env: dict[str, 
     return out.stdout.strip()
 
 
+TIME_LIMIT_TEST = "test_sbatch_signal_before_time_limit_saves_requeues_once_resumes"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(request, tmp_path_factory) -> tuple[Path, str] | None:
+    """The time-limit test's job (its folder and id), submitted as this file starts when that test is to run:
+    most of its minute is waiting for slurmctld's 30-s check, and the file's other tests run meanwhile instead
+    of a core idling. Cancelled at the file's end if its test did not wait it out."""
+    wanted = any(item.path == request.path and item.name == TIME_LIMIT_TEST for item in request.session.items)
+    if not wanted or conftest.slurm_unavailable():
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("time-limit")
+    slow_scontrol = {"PATH": f"{SCRIPTS / 'slow_scontrol'}{os.pathsep}{os.environ['PATH']}",
+                     "REAL_SCONTROL": shutil.which("scontrol")}
+    job = sbatch(tmp, "--time=2", "--signal=USR1@70", slow_first_run=3, env=slow_scontrol)  # 96 s of steps
+    yield tmp, job
+    run(["scancel", job], timeout=30)  # nothing to do once it ended
+
+
 @pytest.mark.slow
-def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, uninterrupted,
-                                                                                     tmp_path):
+def test_sbatch_signal_before_time_limit_saves_requeues_once_resumes(slurm, uninterrupted, time_limit_job):
     """`--time=2 --signal=USR1@70 --requeue`: slurmctld checks every 30 s and signals at its first check
     with at most 70 + 30 s left, so USR1 reaches the srun step 20 to 50 s into the run, long after the
     Checkpointer installed its handlers (a few seconds in; with --time=1 it came at once and killed the
     job); every rank saves, the primary requeues the job, and the rerun resumes and finishes with the
     uninterrupted run's model. scontrol is slow to exit there (rank_scripts/slow_scontrol): SLURM ends the job's
-    processes on the requeue before it has, as on a busy node, and the requeue must still read as done."""
+    processes on the requeue before it has, as on a busy node, and the requeue must still read as done. The job
+    was submitted as this file started (time_limit_job)."""
     model, done, _ = uninterrupted
-    slow_scontrol = {"PATH": f"{SCRIPTS / 'slow_scontrol'}{os.pathsep}{os.environ['PATH']}",
-                     "REAL_SCONTROL": shutil.which("scontrol")}
-    job = sbatch(tmp_path, "--time=2", "--signal=USR1@70", slow_first_run=3, env=slow_scontrol)  # 96 s of steps
+    tmp_path, job = time_limit_job
     info = wait_for_job(job)
     log = (tmp_path / "slurm.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log
