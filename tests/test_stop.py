@@ -402,6 +402,22 @@ def test_without_scontrol_a_due_requeue_is_named_and_exits_75_for_requeue_exit(s
     assert re.search(r"requeue: scontrol is not on PATH here, so job \d+ is not requeued", out.stderr), out.stderr
 
 
+def test_a_requeue_answered_before_slurm_ends_scontrol_reads_as_done(tmp_path, monkeypatch):
+    """SLURM ends every process of the job once it requeues it, scontrol too; on a busy node that can be before
+    scontrol has exited. Here scontrol gets that SIGTERM (from itself) after answering: requeue() still returns
+    True. (The time-limit test shows the same with SLURM's own signal.)"""
+    fake = tmp_path / "scontrol"
+    # bash, as scontrol, keeps the signal mask it is started with (dash clears it)
+    fake.write_text("#!/bin/bash\necho \"$@\" > asked\nkill -TERM $$\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert checkpointer.requeue() is True
+    assert (tmp_path / "asked").read_text() == "requeue 41\n"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"check_every": 0}, "check_every must be an integer >= 1, got: 0"),
     ({"grad_accum": 2.0}, "grad_accum must be an integer >= 1, got: 2.0"),
