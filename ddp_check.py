@@ -21,7 +21,7 @@ in float64 on real gloo processes of this machine:
 
 A hook on DDP's all-reduce records at which micro-step each step synchronised and the gradients it averaged
 (before any clipping); every step's parameters and buffers are kept. The first of these that fails names it and
-its likely cause, in this order, the same for both checks:
+its likely cause, in this order (_CAUSES walks it), the same for both checks:
 
     1. the data's items change between two reads (before any process trains): seeded_dataset is the fix;
     2. a step raised (unused parameters named with the step, rank and the DDP option that fits);
@@ -203,7 +203,7 @@ def _check(front: str, spec: _Spec, world_sizes: tuple[int, ...], accum: int | C
             except PoolError as e:
                 raise AssertionError(_pool_failure(_head(world, count), e, suspects)) from None
         runs.setdefault("micro", runs["ddp"])
-        problem = _diagnose(spec, world, count, runs, suspects)
+        problem = _diagnose(_Outcome(spec, world, count, runs, suspects))
         if problem:
             raise AssertionError(problem)
 
@@ -304,12 +304,10 @@ def _micro_batches(run: _Run, data: Any) -> list[list[list[int]]]:
     (``whole``: a step's samples in one batch)."""
     spec, size, accum = run.spec, run.spec.batch_size, run.accum
     if run.ranks > 1 or run.world == 1:
-        sampler = distributed.data_sampler(data, True, True, seed=spec.seed)
-        sampler.set_epoch(0)
+        sampler = distributed.data_sampler(data, shuffle=True, seed=spec.seed)
+        sampler.set_epoch(0)  # and the epoch of a dataset that has one (seeded_dataset's), 0 until set
         shards = [list(sampler)]
     else:
-        if hasattr(data, "set_epoch"):  # seeded_dataset's: the ranks' data_sampler sets it too
-            data.set_epoch(0)
         shards = [_shard(data, run.world, rank, spec.seed) for rank in range(run.world)]
     steps = []
     for step in range(spec.steps):
@@ -360,71 +358,114 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------ The diagnosis: one ordered list of causes ----------------------------
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """One world size's runs, as the causes below read them."""
+    spec: _Spec
+    world: int
+    accum: int
+    runs: dict  # run name -> every rank's record
+    suspects: list[str]  # the model's likely causes (BatchNorm, dropout), named with a difference
+
+    @property
+    def head(self) -> str:
+        return _head(self.world, self.accum)
+
+    @property
+    def ddp(self) -> list[dict]:
+        return self.runs["ddp"]
+
+    @property
+    def micro(self) -> dict:
+        return self.runs["micro"][0]
 
 
-def _diagnose(spec: _Spec, world: int, accum: int, runs: dict, suspects: list[str]) -> str | None:
-    """The first difference among the runs, in the module docstring's order (1 is checked before any run),
-    with the causes it points to; None when they agree."""
-    head = _head(world, accum)
-    ddp, micro = runs["ddp"], runs["micro"][0]
-    labelled = [(f"rank {rank}", record) for rank, record in enumerate(ddp)]
-    if micro is not ddp[0]:  # at world 1 the same run
-        labelled.append(("one process", micro))
+def _diagnose(outcome: _Outcome) -> str | None:
+    """The first cause that the runs show, walked in _CAUSES' order; None when they agree."""
+    return next((found for cause in _CAUSES if (found := cause(outcome)) is not None), None)
+
+
+def _a_step_raised(outcome: _Outcome) -> str | None:
+    labelled = [(f"rank {rank}", record) for rank, record in enumerate(outcome.ddp)]
+    if outcome.micro is not outcome.ddp[0]:  # at world 1 the same run
+        labelled.append(("one process", outcome.micro))
     failed = {where: record for where, record in labelled if record["error"]}
-    if failed:  # 2
-        return _step_failure(head, accum, failed, suspects)
-    for step, syncs in enumerate(ddp[0]["syncs"], 1):  # 3
-        every = list(range(1, accum + 1))
-        if syncs == every and accum > 1 and not spec.accept_sync_every_micro_step:
-            return (f"{head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: the values "
-                    f"are right but it costs {accum}x the traffic\n" + _cause(
+    if failed:
+        return _step_failure(outcome.head, outcome.accum, failed, outcome.suspects)
+    return None
+
+
+def _synced_at_another_micro_step(outcome: _Outcome) -> str | None:
+    accum, every = outcome.accum, list(range(1, outcome.accum + 1))
+    for step, syncs in enumerate(outcome.ddp[0]["syncs"], 1):
+        if syncs == every and accum > 1 and not outcome.spec.accept_sync_every_micro_step:
+            return (f"{outcome.head}: every micro-step of step {step} all-reduced ({syncs}), not only the last: "
+                    f"the values are right but it costs {accum}x the traffic\n" + _cause(
                         "no_sync() around the backward only: DDP decides at the forward whether a backward "
                         "all-reduces, so put the forward inside no_sync() too (or pass "
                         "accept_sync_every_micro_step=True)"))
         if syncs != [accum] and syncs != every:
-            return (f"{head}: at step {step} DDP all-reduced at micro-step(s) {syncs or 'none'} of {accum}, not "
-                    "at the last\n" + _cause(
+            return (f"{outcome.head}: at step {step} DDP all-reduced at micro-step(s) {syncs or 'none'} of {accum}, "
+                    "not at the last\n" + _cause(
                         "the sync flag decided after the forward (require_backward_grad_sync set between forward "
                         "and backward): DDP decides at the forward, so set it before the forward of each "
                         "micro-step (True on the last), or run the other micro-steps' forward and backward "
                         "inside no_sync()"))
-    if "scaled" in runs:  # 4
-        scaled = runs["scaled"][0]
-        for step, (a, b) in enumerate(zip(micro["states"], scaled["states"], strict=True), 1):
-            name = next((n for n in a if not torch.equal(a[n], b[n])), None)
-            if name is not None:
-                return _divergence(f"{head}, step {step}, `{name}` after the optimizer step", b[name], a[name],
-                                   f"one process trains differently at loss scale {_SCALE:g} than at 1; in "
-                                   "float64 a power-of-two scale is exact", [
-                                       "gradients used before scaler.unscale_(optimizer): clipping "
-                                       "(clip_grad_norm_), a norm or a check on scaled gradients; call "
-                                       "scaler.unscale_(optimizer) before clipping"])
-    if "whole" in runs:  # 5
-        whole = runs["whole"][0]
-        for step, what, (got, expected) in _tensors(spec, [micro, whole]):
-            if not _close(got, expected, spec):
-                causes = []
-                factor = _factor(micro["grads"][0], whole["grads"][0])
-                if factor is not None and abs(factor / accum - 1) < 0.05:
-                    causes.append(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
-                                  f"micro-batch's loss by their number ({accum}) before backward")
-                if factor is not None and abs(factor * accum - 1) < 0.05:
-                    causes.append(f"the gradients are about 1/{accum} (the micro-batches) of one batch's: the loss "
-                                  "must be the batch mean. A summed loss grows with the batch, so each of "
-                                  f"{accum} micro-batches of a sum, divided by {accum}, gives 1/{accum}")
-                return _divergence(f"{head}, step {step}, {what}", expected, got, f"one process with {accum} "
-                                   "micro-batches differs from one batch of them all", causes + suspects)
-    for step, what, (first, *others, expected) in _tensors(spec, [*ddp, micro]):  # 6, then 7, tensor by tensor
+    return None
+
+
+def _gradients_used_scaled(outcome: _Outcome) -> str | None:
+    if "scaled" not in outcome.runs:
+        return None
+    scaled = outcome.runs["scaled"][0]
+    for step, (a, b) in enumerate(zip(outcome.micro["states"], scaled["states"], strict=True), 1):
+        name = next((n for n in a if not torch.equal(a[n], b[n])), None)
+        if name is not None:
+            return _divergence(f"{outcome.head}, step {step}, `{name}` after the optimizer step", b[name], a[name],
+                               f"one process trains differently at loss scale {_SCALE:g} than at 1; in float64 a "
+                               "power-of-two scale is exact", [
+                                   "gradients used before scaler.unscale_(optimizer): clipping (clip_grad_norm_), "
+                                   "a norm or a check on scaled gradients; call scaler.unscale_(optimizer) before "
+                                   "clipping"])
+    return None
+
+
+def _accumulation_differs(outcome: _Outcome) -> str | None:
+    if "whole" not in outcome.runs:
+        return None
+    micro, whole, accum = outcome.micro, outcome.runs["whole"][0], outcome.accum
+    for step, what, (got, expected) in _tensors(outcome.spec, [micro, whole]):
+        if not _close(got, expected, outcome.spec):
+            causes = []
+            factor = _factor(micro["grads"][0], whole["grads"][0])
+            if factor is not None and abs(factor / accum - 1) < 0.05:
+                causes.append(f"the gradients are about {accum}x (the micro-batches) one batch's: divide each "
+                              f"micro-batch's loss by their number ({accum}) before backward")
+            if factor is not None and abs(factor * accum - 1) < 0.05:
+                causes.append(f"the gradients are about 1/{accum} (the micro-batches) of one batch's: the loss "
+                              "must be the batch mean. A summed loss grows with the batch, so each of "
+                              f"{accum} micro-batches of a sum, divided by {accum}, gives 1/{accum}")
+            return _divergence(f"{outcome.head}, step {step}, {what}", expected, got, f"one process with {accum} "
+                               "micro-batches differs from one batch of them all", causes + outcome.suspects)
+    return None
+
+
+def _replicas_or_world_size_differ(outcome: _Outcome) -> str | None:
+    """Tensor by tensor: the replicas against rank 0 (state changed from a rank's own data), then rank 0 against one
+    process (a factor of the world size, or the model's suspects)."""
+    world, suspects = outcome.world, outcome.suspects
+    for step, what, (first, *others, expected) in _tensors(outcome.spec, [*outcome.ddp, outcome.micro]):
         for rank, other in enumerate(others, 1):
             if not _equal(other, first):
-                return _divergence(f"{head}, step {step}, {what}", first, other, f"rank {rank} differs from rank 0",
-                                   [*suspects, "replicas that differ from each other: DDP keeps parameters equal by "
-                                    "averaging gradients and broadcasts rank 0's buffers only at the start of each "
-                                    "forward, so a buffer or parameter changed from a rank's own data (or "
-                                    "rank-dependent code) drifts apart"])
-        if not _close(first, expected, spec):
+                return _divergence(f"{outcome.head}, step {step}, {what}", first, other,
+                                   f"rank {rank} differs from rank 0", [
+                                       *suspects, "replicas that differ from each other: DDP keeps parameters equal "
+                                       "by averaging gradients and broadcasts rank 0's buffers only at the start of "
+                                       "each forward, so a buffer or parameter changed from a rank's own data (or "
+                                       "rank-dependent code) drifts apart"])
+        if not _close(first, expected, outcome.spec):
             causes = []
-            factor = _factor(ddp[0]["grads"][0], micro["grads"][0])
+            factor = _factor(outcome.ddp[0]["grads"][0], outcome.micro["grads"][0])
             if world > 1 and factor is not None and abs(factor * world - 1) < 0.05:
                 causes.append(f"the gradients are about 1/{world} (the world size) of one process's: DDP averages "
                               "gradients over ranks, so the loss must be the batch mean. A summed loss, or a sum "
@@ -432,9 +473,14 @@ def _diagnose(spec: _Spec, world: int, accum: int, runs: dict, suspects: list[st
             if world > 1 and factor is not None and abs(factor / world - 1) < 0.05:
                 causes.append(f"the gradients are about {world}x (the world size) one process's: DDP already "
                               "averages over ranks; do not multiply the loss by the world size")
-            return _divergence(f"{head}, step {step}, {what}", expected, first, "rank 0 differs from one process",
-                               causes + suspects)
+            return _divergence(f"{outcome.head}, step {step}, {what}", expected, first,
+                               "rank 0 differs from one process", causes + suspects)
     return None
+
+
+# The module docstring's list from 2 on (1, data that changes between reads, is checked before any run trains).
+_CAUSES = (_a_step_raised, _synced_at_another_micro_step, _gradients_used_scaled, _accumulation_differs,
+           _replicas_or_world_size_differ)
 
 
 def _head(world: int, accum: int) -> str:
@@ -518,7 +564,8 @@ def _suspects(model: nn.Module) -> list[str]:
     found = []
     if batchnorms:
         found.append(f"BatchNorm in {_first_few(batchnorms)} normalizes each rank's batch with that rank's "
-                     "own statistics: convert the model with distributed.sync_batchnorm(model) before DDP (torch's "
+                     "own statistics: convert the model with sync_batchnorm(model) (`from sync_batchnorm import "
+                     "sync_batchnorm`, the file beside distributed.py) before DDP (torch's "
                      "SyncBatchNorm on GPUs, an exact version on CPU processes), or use GroupNorm/LayerNorm")
     if dropouts:
         found.append(f"Dropout in {_first_few(dropouts)}: random masks cannot match one process's; pass "

@@ -12,7 +12,7 @@
         model = torch.nn.Linear(8, 1).to(device)
         ddp = DDP(model) if distributed.get_world_size() > 1 else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        sampler = distributed.data_sampler(data, True, shuffle=True)  # this rank's share (alone: all)
+        sampler = distributed.data_sampler(data, shuffle=True)  # this rank's share (alone: all)
         for epoch in range(epochs):
             sampler.set_epoch(epoch)               # a new shuffle every epoch
             for x, y in DataLoader(data, batch_size=32, sampler=sampler):
@@ -33,12 +33,22 @@ The same script runs unchanged as
     srun -n N python train.py                        # SLURM
 
 This file alone launches, joins the group, shards the data and runs the collectives; a stop signal (SIGTERM,
-SIGUSR1, SIGUSR2) is forwarded to the ranks and ends them. Optional files copied next to it add one concern
-each, through this file's public names: checkpointer.py (the ranks save and the job resumes exactly),
-ddp_check.py (check your model under DDP), shared_memory_allreduce.py (CPU ranks on one host).
+SIGUSR1, SIGUSR2) is forwarded to the ranks and ends them. Standard library and torch (2.8 or newer) only; no
+module-level state.
 
-The public part first, in the order a script uses it; then the internals in the same order; last, the supervisor
-of the processes launch() starts. Standard library and torch (2.8 or newer) only; no module-level state.
+The rule of its shape: what runs without being called by name (which launcher started the process, the start's
+checks, the supervisor of launch()'s processes, the failure and hang reports) is here. What a script opts into by
+calling it by name lives in a file beside this one, which uses only this file's public names and which this file
+never imports: checkpointer.py (the ranks save and the job resumes exactly), seeded_dataset.py (augmentation
+that is the same at any world size), sync_batchnorm.py (BatchNorm on the global batch), ddp_check.py (check your
+model under DDP), shared_memory_allreduce.py (CPU ranks on one host).
+
+The map, in file order. Public, what a script calls: Launching, The process group, Data, Collectives,
+Checkpoints, Models. Public, for the files beside this one: Starting ranks without launch()'s wait, Stops,
+Checkpoints: what a snapshot may hold. Internals, in the same order: which launcher started this process, the
+process group, the start (ranks meet, and say why when they cannot), data, collectives, checkpoints. Last, the
+supervisor of the processes launch() starts: the job directory, the lifecycle, the stop signals, the failure
+report, the hang report.
 """
 from __future__ import annotations
 
@@ -50,7 +60,6 @@ import datetime
 import errno
 import faulthandler
 import gc
-import hashlib
 import io
 import itertools
 import json
@@ -60,7 +69,6 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import pickle
-import random
 import re
 import select
 import shutil
@@ -74,7 +82,7 @@ import threading
 import time
 import traceback
 from typing import Any, NamedTuple
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,12 +94,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 __all__ = [
-    "launch", "launch_mode", "WorkerFailed", "start_workers",
+    # What a training script calls, in the order it calls them
+    "launch", "launch_mode", "WorkerFailed",
     "init_process_group", "DEFAULT_TIMEOUT", "get_rank", "get_world_size", "is_primary", "cleanup",
-    "data_sampler", "seeded_dataset", "check_repeatable",
+    "data_sampler", "check_repeatable",
     "reduce", "all_gather", "barrier", "print_primary", "print_ranked",
-    "save_checkpoint", "load_checkpoint", "check_weights_only", "unwrap", "sync_batchnorm",
-    "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked", "report_progress",
+    "save_checkpoint", "load_checkpoint", "unwrap",
+    # For the files beside this one (checkpointer.py, ddp_check.py, ...) and tools of your own
+    "start_workers", "STOP_SIGNALS", "REQUEUE_EXIT", "stop_signals_blocked", "report_progress", "check_weights_only",
 ]
 
 # gloo waits 30 minutes by default before a stuck collective fails, NCCL 10; 5 minutes is long enough
@@ -99,7 +109,7 @@ __all__ = [
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
-# ------------------------------ Launching ----------------------------------------------------
+# ------------------------------ Launching ---------------------------------------------------------
 def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, grace: float = 25.0) -> None:
     """Run ``worker(local_rank, world_size, *args)`` once in every process of the job.
 
@@ -126,14 +136,12 @@ def launch(worker: Callable[..., Any], *args: Any, nprocs: int | None = None, gr
         worker(0, 1, *args)
         return
     _check_spawnable(worker, args)
-    processes: list = []  # filled below: the signal handlers forward to them
-    # Exit order matters: the workers are gone before the launcher dies of a forwarded signal.
-    with _forwarding_stop_signals(processes, grace) as stopping, \
-            contextlib.closing(start_workers(worker, nprocs, *args)) as workers:
-        processes += workers.processes
+    with contextlib.ExitStack() as job:
+        with stop_signals_blocked():  # a stop signal during the start is forwarded once the handlers are in
+            workers = job.enter_context(contextlib.closing(start_workers(worker, nprocs, *args)))
+            stopping = job.enter_context(_forwarding_stop_signals(workers, grace))
         workers.join(stopping)
-    if stopped := [p.exitcode for p in processes if p.exitcode in _STOP_EXITS]:
-        raise SystemExit(stopped[0])  # every rank stopped at a signal, saved and exited with this code
+    _end_as_stopped(workers, stopping)  # the ranks stopped at a signal, saved and exited: so does the launcher
 
 
 def launch_mode() -> str:
@@ -149,16 +157,7 @@ class WorkerFailed(RuntimeError):
         self.rank = rank
 
 
-def start_workers(worker: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None) -> _Workers:
-    """Start ``worker(local_rank, nprocs, *args)`` in ``nprocs`` local processes and return at once:
-    launch()'s own start, for tools that keep ranks running (ddp_check's pools). ``env`` adds to each
-    worker's environment. The handle's ``join()`` waits and raises the root cause of the first
-    failure, ``close()`` stops every worker (SIGTERM, then SIGKILL), ``processes`` are theirs."""
-    _resolve_nprocs(nprocs, 0)  # an integer >= 1
-    return _Workers(worker, nprocs, args, env)
-
-
-# ------------------------------ The process group --------------------------------------------
+# ------------------------------ The process group -------------------------------------------------
 def init_process_group(local_rank: int, world_size: int, backend: str | None = None,
                        timeout: datetime.timedelta | float | None = None) -> torch.device:
     """Join the job's process group and return this rank's device. Safe to call twice.
@@ -189,13 +188,8 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
     if world_size != env.world_size:
         raise ValueError(f"init_process_group: world_size={world_size} disagrees with the launcher's "
                          f"{env.world_size} ({env.mode}); pass the world_size that launch() gave the worker")
-    if env.mode == "torchrun":
-        _die_with_parent()  # a SIGKILLed torchrun agent must not leave its workers running
-    _name_process(f"r{env.rank}")
-    if env.mode != "spawn":  # `kill -QUIT <pid>` prints where this rank is (launch() collects its own)
-        faulthandler.register(_STACK_SIGNAL, all_threads=True)
-    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
+    if env.mode != "spawn":  # launch()'s ranks prepared as they started
+        _prepare_rank(env)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, backend, timeout))
@@ -237,27 +231,24 @@ def cleanup() -> None:
         atexit.register(lambda: (gc.collect(), group.clear()))
 
 
-# ------------------------------ Data ---------------------------------------------------------
-def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: bool = True,
-                 seed: int = 0) -> Sampler | None:
-    """This rank's share of ``dataset``, or None when not distributed (use DataLoader(shuffle=...)).
+# ------------------------------ Data --------------------------------------------------------------
+def data_sampler(dataset: Dataset, distributed: bool = True, shuffle: bool = True, *, pad: bool = True,
+                 seed: int = 0) -> Sampler:
+    """This rank's share of ``dataset``: ``DataLoader(dataset, batch_size, sampler=data_sampler(dataset))``.
 
-    Pass ``distributed=True`` in every run, one process included (a world of one then gets every sample): a port
-    that passes its own ``args.distributed``, False at one process, gets None there, and with it loses the same
-    order at any process count and a Checkpointer's mid-epoch resume (which skips through the sampler).
-
-    Every rank draws the same permutation for an epoch (``seed + epoch``): call
-    ``sampler.set_epoch(epoch)`` every epoch, or every epoch repeats the same order.
-    ``set_epoch(epoch, skip=k)`` resumes mid-epoch: the same order without the first k samples of this
-    rank's share, which are never loaded; len() is what remains; the next set_epoch is whole again.
-    pad=True (training): torch's DistributedSampler; ceil(N / world) samples per rank, padded with
-    repeats so every rank runs the same number of steps. pad=False (exact evaluation): every sample
-    exactly once across the ranks, which may differ by one sample (or get none when N < world).
+    Every rank draws the same permutation for an epoch (``seed + epoch``): call ``sampler.set_epoch(epoch)`` every
+    epoch, or every epoch repeats the same order. ``set_epoch(epoch, skip=k)`` resumes mid-epoch: the same order
+    without the first k samples of this rank's share, which are never loaded; len() is what remains; the next
+    set_epoch is whole again. ``set_epoch`` passes the epoch on to a dataset that has one (seeded_dataset's).
+    pad=True (training): ceil(N / world) samples per rank, padded with repeats so every rank runs the same number
+    of steps. pad=False (exact evaluation): every sample exactly once across the ranks, which may differ by one
+    sample (or get none when N < world). ``distributed=False`` (a port's ``args.distributed`` at one process):
+    this rank gets every sample, in the same order a world of one gets, through the same sampler.
     """
     _refuse_iterable(dataset, "data_sampler")
-    if not distributed:
-        return None
     world, rank, size = get_world_size(), get_rank(), len(dataset)
+    if not distributed:
+        world, rank = 1, 0
     if size == 0:
         raise ValueError("data_sampler: the dataset is empty (got len(dataset)=0)")
     if pad and size < world:
@@ -267,39 +258,16 @@ def data_sampler(dataset: Dataset, distributed: bool, shuffle: bool, *, pad: boo
     return _Sampler(dataset, world, rank, shuffle=shuffle, seed=seed, pad=pad)
 
 
-def seeded_dataset(dataset: Dataset, seed: int = 0) -> Dataset:
-    """``dataset`` whose every item is read with torch's CPU generator, Python's and (where the process has
-    imported it) numpy's global one seeded from (``seed``, the epoch, the index): the same sample gets the same
-    random augmentation on any rank, in any loader worker, before or after a resume, at any world size; a new one
-    each epoch. In the main process the caller's generators go on as if no item had been read (CUDA's are never
-    touched; of numpy's, only a normal np.random.randn held back from an odd draw is drawn anew); a loader worker's
-    are its own (numpy's global there is the wrapper's MT19937, whatever a worker_init_fn seated). Wrap it before
-    data_sampler, whose ``set_epoch`` passes the epoch on.
-
-    A generator the dataset owns (albumentations >= 1.4.21 and MONAI keep an np.random.Generator) is out of
-    reach: seed it per item from the item's seed, ``torch.initial_seed()`` inside ``__getitem__``::
-
-        def __getitem__(self, i):
-            rng = np.random.default_rng(torch.initial_seed())   # this item's own draws
-            return self.crop(self.images[i], rng)
-
-    ``check_repeatable(data)`` names a dataset that still draws from elsewhere."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
-    _refuse_iterable(dataset, "seeded_dataset")
-    return _SeededDataset(dataset, seed)
-
-
 def check_repeatable(dataset: Dataset, indices: Iterable[int] = (0,)) -> None:
     """Raise ValueError naming the first of ``indices`` whose item differs between two reads (in one epoch): its
     randomness is not a function of the sample, so the ranks, one process and a resumed run each draw their own.
     For a dataset of seeded_dataset's, that names a generator it does not reseed."""
     for index in indices:
         if not _same_item(dataset[index], dataset[index]):
-            raise ValueError(_unrepeatable(index, seeded=isinstance(dataset, _SeededDataset)))
+            raise ValueError(_unrepeatable(index, seeded=getattr(dataset, "seeded_per_item", False)))
 
 
-# ------------------------------ Collectives: each must be called on all ranks, in the same order ---
+# ------------------------------ Collectives: each must be called on all ranks, in the same order --
 def reduce(value: torch.Tensor | float | int | bool, op: str = "sum") -> torch.Tensor:
     """A new tensor holding ``value`` all-reduced over every rank; must be called on all ranks.
 
@@ -360,7 +328,7 @@ def print_ranked(*args: Any, sep: str = " ") -> None:
         print("\n".join(line.decode() for line in lines), flush=True)
 
 
-# ------------------------------ Checkpoints --------------------------------------------------
+# ------------------------------ Checkpoints -------------------------------------------------------
 def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically; must be called on all ranks.
 
@@ -412,21 +380,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict |
     return _strip_wrapper_prefixes(state)
 
 
-def check_weights_only(obj: Any, where: str) -> None:
-    """Raise a TypeError naming ``where`` (and the key inside it) unless torch.load(weights_only=True) can
-    read ``obj`` back: tensors, numbers, strings, dtypes, devices, and dicts, lists and tuples of them."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            check_weights_only(value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        for i, value in enumerate(obj):
-            check_weights_only(value, f"{where}[{i}]")
-    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
-        raise TypeError(f"{where} is a {type(obj).__qualname__}, which torch.load("
-                        "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
-                        "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
-
-
+# ------------------------------ Models ------------------------------------------------------------
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module inside DDP and/or torch.compile wrappers (whose state_dict keys it owns)."""
     while True:
@@ -438,23 +392,31 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every BatchNorm layer (any depth) normalizing with the global batch's statistics, so that
-    N processes train as one process on the global batch; call it before DDP(model), on every rank.
-
-    Where CUDA is available (or the layer is on a GPU), torch's own SyncBatchNorm. On CPU processes, an exact
-    version: the statistics are the whole batch's, weighted by each rank's sample count (a rank may hold none),
-    the backward goes through the collectives, and the running mean and unbiased variance (momentum=None: the
-    cumulative average) update as one process's would. Weights, buffers and the training flag are kept. The group
-    is looked up when a layer runs: convert before or after init_process_group; in a world of one, and in eval,
-    a layer is exactly BatchNorm. A model without BatchNorm comes back unchanged."""
-    if isinstance(model, DistributedDataParallel):
-        raise TypeError("sync_batchnorm: the model is already wrapped in DistributedDataParallel, whose buckets "
-                        "hold the old layers; convert first, then wrap: DDP(distributed.sync_batchnorm(model))")
-    return _synchronized(model)
+# Opt-in helpers that moved to files of their own beside this one: an old script's call names its new import.
+_MOVED = {"seeded_dataset": "seeded_dataset", "sync_batchnorm": "sync_batchnorm"}
 
 
-# ------------------------------ Stops: the launcher's side ----------------------------------
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"distributed.{name} moved to {_MOVED[name]}.py, an optional file beside distributed.py: "
+                             f"copy it next to your script and write `from {_MOVED[name]} import {name}`, then call "
+                             f"{name}(...) instead of distributed.{name}(...)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ============ For the files beside this one: public, but not what a script calls first ==============
+# checkpointer.py, ddp_check.py and shared_memory_allreduce.py use these; so may tools of your own.
+# ------------------------------ Starting ranks without launch()'s wait ----------------------------
+def start_workers(worker: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None) -> _Workers:
+    """Start ``worker(local_rank, nprocs, *args)`` in ``nprocs`` local processes and return at once:
+    launch()'s own start, for tools that keep ranks running (ddp_check's pools). ``env`` adds to each
+    worker's environment. The handle's ``close()`` stops every worker (SIGTERM, then SIGKILL); its ``processes``
+    are theirs (multiprocessing's Process objects, in rank order)."""
+    _resolve_nprocs(nprocs, 0)  # an integer >= 1
+    return _Workers(worker, nprocs, args, env)
+
+
+# ------------------------------ Stops: the launcher's side ----------------------------------------
 # SLURM sends SIGTERM at the time limit or on scancel (or `#SBATCH --signal`'s USR1/USR2 before the limit),
 # then SIGKILL KillWait (30 s) later; torchrun's agent forwards SIGTERM and SIGKILLs after 30 s. launch()
 # forwards them to its ranks: a rank that catches them to save its work then exits 128 + the signal's number.
@@ -462,6 +424,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # EX_TEMPFAIL: the exit code of a rank that stopped and whose due SLURM requeue failed (slurm.conf's
 # RequeueExit=75 requeues on it). launch() and cleanup() take it, like 128 + a stop signal, as a stop.
 REQUEUE_EXIT = 75
+# How a rank exits after a stop, which cleanup(), launch() and its supervisor take as a stop, not a failure.
+_STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), REQUEUE_EXIT)
 
 
 @contextlib.contextmanager
@@ -483,6 +447,22 @@ def report_progress(text: str) -> None:
     does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
     if files := _RankFiles.of_this_job():
         files.write(get_rank(), "progress", text)
+
+
+# ------------------------------ Checkpoints: what a snapshot may hold -----------------------------
+def check_weights_only(obj: Any, where: str) -> None:
+    """Raise a TypeError naming ``where`` (and the key inside it) unless torch.load(weights_only=True) can
+    read ``obj`` back: tensors, numbers, strings, dtypes, devices, and dicts, lists and tuples of them."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            check_weights_only(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for i, value in enumerate(obj):
+            check_weights_only(value, f"{where}[{i}]")
+    elif not isinstance(obj, _WEIGHTS_ONLY_LEAVES):
+        raise TypeError(f"{where} is a {type(obj).__qualname__}, which torch.load("
+                        "weights_only=True) refuses to read back; store tensors, numbers, strings, or "
+                        "dicts/lists of them (e.g. vars(args) instead of an argparse.Namespace)")
 
 
 # ============ Internals: what the functions above rely on, in the same order (not the API) =====
@@ -512,9 +492,7 @@ def _name_process(suffix: str) -> None:
         return
     script = os.path.splitext(os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "python"))[0]
     name = f"{script[:14 - len(suffix)]}:{suffix}"
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME; loader workers forked later inherit it
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME; loader workers forked later inherit it
 
 
 def _launcher_env() -> _Launcher | None:
@@ -777,44 +755,47 @@ class _Start:
     def meet(self, store: dist.Store, backend: str) -> None:
         """Every rank writes who and where it is; rank 0 waits for all, naming the missing, and writes whether
         they can work together; every rank reads that, so they all fail alike, in seconds, or none does."""
-        me = _about_this_rank(backend, self.addr, self.port)
-        store.set(f"rank{self.rank}", json.dumps(me))
+        me = _RankFacts.of_this_rank(backend, self.addr, self.port)
+        store.set(f"rank{self.rank}", json.dumps(me._asdict()))
         store.add("joined", 1)
         if self.rank == 0:
-            store.set("verdict", json.dumps(self._decide(store, backend)))
+            store.set("verdict", json.dumps(self._decide(store, backend)._asdict()))
         try:  # rank 0 decides at its own deadline at the latest: a little past this rank's
             store.wait(["verdict"], self._left() + datetime.timedelta(seconds=2 * _CONNECT_WAIT))
-            verdict = json.loads(store.get("verdict"))
+            verdict = _Verdict(**json.loads(store.get("verdict")))
         except RuntimeError:
             raise self.fail(f"rank 0 ({self.addr}:{self.port}) decided nothing within the timeout ({self.timeout}): "
                             "it stopped or died while this rank waited (its own output says why)") from None
         store.add("read", 1)
-        if verdict["error"]:
+        if verdict.error:
             if self.rank == 0:  # its store ends with it: the others read the verdict first
                 give_up = time.monotonic() + _CONNECT_WAIT
                 while int(store.add("read", 0)) < int(store.add("joined", 0)) and time.monotonic() < give_up:
                     time.sleep(0.02)
-            raise self.fail(verdict["error"])
-        if verdict["spans hosts"] and backend == "gloo" and _is_loopback(me["gloo"]):
+            raise self.fail(verdict.error)
+        if verdict.spans_hosts and backend == "gloo" and _is_loopback(me.gloo):
             # Safe: the verdict refused any loopback rank that has no route to offer or whose user chose lo.
-            os.environ["GLOO_SOCKET_IFNAME"] = me["route"][0]
-            self.say(f"this host's name resolves to {me['gloo']} (loopback), where gloo would listen, and the job "
-                     f"spans hosts: using GLOO_SOCKET_IFNAME={me['route'][0]} ({me['route'][1]}), the interface that "
+            os.environ["GLOO_SOCKET_IFNAME"] = me.route[0]
+            self.say(f"this host's name resolves to {me.gloo} (loopback), where gloo would listen, and the job "
+                     f"spans hosts: using GLOO_SOCKET_IFNAME={me.route[0]} ({me.route[1]}), the interface that "
                      "routes to MASTER_ADDR; set GLOO_SOCKET_IFNAME yourself to choose")
 
-    def _decide(self, store: dist.Store, backend: str) -> dict[str, Any]:
+    def _decide(self, store: dist.Store, backend: str) -> _Verdict:
         """Rank 0: wait for every rank, naming the missing every 15 s; then read what they wrote."""
         next_say = time.monotonic() + _FIRST_SAY
         while int(store.add("joined", 0)) < self.world:
             now = time.monotonic()
             if now >= self.deadline:
-                return {"error": self._missing(store), "spans hosts": False}
+                return _Verdict(self._missing(store), spans_hosts=False)
             if now >= next_say:
                 self.say(f"{self._missing(store, waiting=True)}; waiting until the timeout ({self.timeout})")
                 next_say = now + _SAY_EVERY
             time.sleep(0.02)
         written = store.multi_get([f"rank{r}" for r in range(self.world)])
-        return _verdict([json.loads(text) for text in written], backend)
+        ranks = [_RankFacts(**json.loads(text)) for text in written]
+        spans = len({about.host_id for about in ranks}) > 1
+        problems = _version_mismatches(ranks, backend) + (_unreachable_listeners(ranks, backend) if spans else [])
+        return _Verdict(" ".join(problems) or None, spans)
 
     def _missing(self, store: dist.Store, waiting: bool = False) -> str:
         missing = [r for r in range(self.world) if not store.check([f"rank{r}"])]
@@ -826,45 +807,63 @@ class _Start:
         return datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1.0))
 
 
-def _about_this_rank(backend: str, master_addr: str, port: int) -> dict[str, Any]:
-    """What the ranks compare before the backend connects."""
-    addresses = _addresses()
-    nccl = None
-    if backend == "nccl":
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    return {"host": socket.gethostname(), "host id": _host_id(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": nccl, "gloo": _gloo_address(addresses),
-            "gloo chosen": os.environ.get("GLOO_SOCKET_IFNAME"), "nccl chosen": os.environ.get("NCCL_SOCKET_IFNAME"),
-            "route": _route(master_addr, port, addresses), "addresses": _listed(addresses)}
+class _RankFacts(NamedTuple):
+    """What the ranks compare before the backend connects (each rank's, as JSON in the start's store)."""
+    host: str
+    host_id: str  # ranks with one host id reach each other over loopback
+    torch: str
+    cuda: str | None
+    nccl: str | None  # under nccl only
+    gloo: str  # the address gloo will listen on
+    gloo_chosen: str | None  # GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME as the user set them
+    nccl_chosen: str | None
+    route: list[str] | None  # [interface, address] this host reaches MASTER_ADDR from
+    addresses: str
+
+    @classmethod
+    def of_this_rank(cls, backend: str, master_addr: str, port: int) -> _RankFacts:
+        addresses = _addresses()
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None
+        return cls(socket.gethostname(), _host_id(), torch.__version__, torch.version.cuda, nccl,
+                   _gloo_address(addresses), os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"),
+                   _route(master_addr, port, addresses), _listed(addresses))
 
 
-def _verdict(ranks: list[dict], backend: str) -> dict[str, Any]:
-    """Rank 0's reading of every rank's facts: an error every rank raises, or None; whether the job spans hosts."""
+class _Verdict(NamedTuple):
+    """Rank 0's reading of every rank's facts, which every rank reads: an error all raise, or None."""
+    error: str | None
+    spans_hosts: bool
+
+
+def _version_mismatches(ranks: list[_RankFacts], backend: str) -> list[str]:
     problems = []
     for what in ("torch", "nccl") if backend == "nccl" else ("torch",):
         versions: dict[str, list[int]] = {}
         for rank, about in enumerate(ranks):
-            versions.setdefault(about[what], []).append(rank)
+            versions.setdefault(getattr(about, what), []).append(rank)
         if len(versions) > 1:
             found = "; ".join(f"{version} on rank {_ranges(members)} ({_hosts(ranks, members)})"
                               for version, members in versions.items())
             problems.append(f"the ranks run different {what} versions ({found}): install one version on every host")
-    spans = len({about["host id"] for about in ranks}) > 1
+    return problems
+
+
+def _unreachable_listeners(ranks: list[_RankFacts], backend: str) -> list[str]:
+    """In a job across hosts, the ranks whose backend would listen on loopback, which no other host reaches."""
+    problems = []
     for rank, about in enumerate(ranks):
-        if not spans:
-            break
-        where = f"rank {rank} on {about['host']} ({about['addresses']})"
-        if backend == "gloo" and _is_loopback(about["gloo"]):
-            if about["gloo chosen"] is not None or about["route"] is None:
-                chosen = f"GLOO_SOCKET_IFNAME={about['gloo chosen']}" if about["gloo chosen"] else "its host name"
-                route = f"{about['route'][0]}, which routes to MASTER_ADDR" if about["route"] else "the interface of "\
-                    "an address the other hosts reach"
-                problems.append(f"the job spans hosts, and {where} would listen for gloo on {about['gloo']} (loopback, "
-                                f"from {chosen}), which no other host reaches: set GLOO_SOCKET_IFNAME={route}")
-        elif backend == "nccl" and (about["nccl chosen"] or "").startswith("lo"):
-            problems.append(f"the job spans hosts, and {where} has NCCL_SOCKET_IFNAME={about['nccl chosen']} "
+        where = f"rank {rank} on {about.host} ({about.addresses})"
+        if backend == "gloo" and _is_loopback(about.gloo) and (about.gloo_chosen is not None or about.route is None):
+            chosen = f"GLOO_SOCKET_IFNAME={about.gloo_chosen}" if about.gloo_chosen else "its host name"
+            route = "the interface of an address the other hosts reach"
+            if about.route:
+                route = f"{about.route[0]}, which routes to MASTER_ADDR"
+            problems.append(f"the job spans hosts, and {where} would listen for gloo on {about.gloo} (loopback, "
+                            f"from {chosen}), which no other host reaches: set GLOO_SOCKET_IFNAME={route}")
+        elif backend == "nccl" and (about.nccl_chosen or "").startswith("lo"):
+            problems.append(f"the job spans hosts, and {where} has NCCL_SOCKET_IFNAME={about.nccl_chosen} "
                             "(loopback): set it to the interface of an address the other hosts reach")
-    return {"error": " ".join(problems) or None, "spans hosts": spans}
+    return problems
 
 
 def _is_own_address(ip: str) -> bool:
@@ -940,8 +939,8 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
 
 
-def _hosts(ranks: list[dict], members: list[int]) -> str:
-    names = sorted({ranks[r]["host"] for r in members})
+def _hosts(ranks: list[_RankFacts], members: list[int]) -> str:
+    names = sorted({ranks[r].host for r in members})
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
@@ -973,83 +972,11 @@ class _Sampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-class _SeededDataset(Dataset):
-    """seeded_dataset's wrapper. The epoch lives in shared memory: DataLoader workers, forked or spawned, and
-    persistent ones that keep their copy of the dataset across epochs, all read the epoch the rank set."""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset = dataset
-        self.seed = seed
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-        self._bits = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch.fill_(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.__getitems__((index,))[0]
-
-    def __getitems__(self, indices: Sequence[Any]) -> list:
-        """The items at ``indices``, each read under its own seeds. A DataLoader reads a batch through this: in the
-        main process the caller's generators are saved and given back once a batch, not once an item."""
-        numpy = sys.modules.get("numpy")  # seeded where the process has it, never imported: numpy stays optional
-        if torch.utils.data.get_worker_info() is not None:  # a loader worker's generators are its own
-            if numpy is not None:
-                self._keep_numpy_generator_seated(numpy)
-            return [self._seeded_read(index, numpy) for index in indices]
-        cpu = torch.default_generator  # not torch.manual_seed, which reseeds every CUDA device too (100 us)
-        torch_state, python_state = cpu.get_state(), random.getstate()
-        give_numpy_back = self._seat_numpy_generator(numpy) if numpy is not None else None
-        try:
-            return [self._seeded_read(index, numpy) for index in indices]
-        finally:  # the training loop's draws (dropout) go on as if no item had been read
-            cpu.set_state(torch_state)
-            random.setstate(python_state)
-            if give_numpy_back is not None:
-                give_numpy_back()
-
-    def _seeded_read(self, index: Any, numpy: Any) -> Any:
-        # blake2b: a seed of 63 bits from the three numbers, the same in every process (unlike hash()).
-        key = f"{self.seed}/{int(self._epoch)}/{index}".encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-        torch.default_generator.manual_seed(seed)
-        random.seed(seed)
-        if numpy is not None:
-            numpy.random.seed(seed & 0xFFFFFFFF)
-        return self.dataset[index]
-
-    def _seat_numpy_generator(self, numpy: Any) -> Callable[[], None]:
-        """This wrapper's own MT19937 as numpy's global bit generator; returns what gives the caller's back. Swapped,
-        not copied: numpy's get_state + set_state cost 70 us a read. numpy < 1.24 cannot swap: its state, copied."""
-        if not hasattr(numpy.random, "set_bit_generator"):
-            state = numpy.random.get_state()
-            return lambda: numpy.random.set_state(state)
-        if self._bits is None:
-            self._bits = numpy.random.MT19937()
-        callers = numpy.random.get_bit_generator()
-        numpy.random.set_bit_generator(self._bits)
-        return lambda: numpy.random.set_bit_generator(callers)
-
-    def _keep_numpy_generator_seated(self, numpy: Any) -> None:
-        """In a loader worker, this wrapper's MT19937 stays numpy's global bit generator: a worker_init_fn's PCG64,
-        seeded per item, would draw other numbers than the main process's reads. Checked per batch (0.05 us)."""
-        if hasattr(numpy.random, "get_bit_generator") and numpy.random.get_bit_generator() is not self._bits:
-            self._seat_numpy_generator(numpy)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "seed", "_epoch", "_bits") or name.startswith("__"):  # not set yet (unpickling)
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-
 def _refuse_iterable(dataset: Dataset, where: str) -> None:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        raise TypeError(f"{where}: got an IterableDataset ({type(dataset).__name__}), which has no indices to shard "
-                        "or seed. Shard the stream in its __iter__: keep every n-th item, n = get_world_size() x the "
-                        "loader's workers, from offset get_rank() x workers + the worker's id (torch.utils.data."
+        raise TypeError(f"{where}: got an IterableDataset ({type(dataset).__name__}), which has no indices to shard. "
+                        "Shard the stream in its __iter__: keep every n-th item, n = get_world_size() x the loader's "
+                        "workers, from offset get_rank() x workers + the worker's id (torch.utils.data."
                         "get_worker_info()); and make every rank run the same number of steps, or the ranks that run "
                         "out first leave the others waiting in an all-reduce")
 
@@ -1059,11 +986,11 @@ def _unrepeatable(index: int, seeded: bool) -> str:
         return (f"item {index} differs between two reads: your dataset draws from a generator seeded_dataset does "
                 "not reseed (one it owns: an np.random.Generator, random.Random or torch.Generator, as "
                 "albumentations >= 1.4.21 and MONAI keep). Seed it per item inside __getitem__ from "
-                "torch.initial_seed(), the item's seed (seeded_dataset's docstring shows how)")
+                "torch.initial_seed(), the item's seed (seeded_dataset.py's docstring shows how)")
     return (f"item {index} differs between two reads: the data's items change from one read to the next (random "
             "augmentation from a global generator), so each rank, one process and a resumed run draw their own. "
-            "Wrap the dataset with distributed.seeded_dataset(data, seed): each sample's randomness then depends "
-            "only on (seed, epoch, index)")
+            "Wrap the dataset with seeded_dataset(data, seed) (`from seeded_dataset import seeded_dataset`, the file "
+            "beside distributed.py): each sample's randomness then depends only on (seed, epoch, index)")
 
 
 def _same_item(a: Any, b: Any) -> bool:
@@ -1079,87 +1006,6 @@ def _same_item(a: Any, b: Any) -> bool:
         return bool(equal.all()) if hasattr(equal, "all") else bool(equal)  # numpy arrays, without numpy
     except Exception:
         return False
-
-
-def _synchronized(model: torch.nn.Module) -> torch.nn.Module:
-    """sync_batchnorm's conversion: each BatchNorm layer replaced, every other module's children visited."""
-    if not isinstance(model, torch.nn.modules.batchnorm._BatchNorm) or isinstance(model, torch.nn.SyncBatchNorm):
-        for name, child in model.named_children():
-            converted = _synchronized(child)
-            if converted is not child:
-                setattr(model, name, converted)
-        return model
-    on_gpu = any(t is not None and t.is_cuda for t in (model.weight, model.running_mean))
-    kind = torch.nn.SyncBatchNorm if on_gpu or torch.cuda.is_available() else _SyncBatchNormCPU
-    layer = kind(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
-    if model.affine:
-        layer.weight, layer.bias = model.weight, model.bias  # the same Parameters: an optimizer holding them stays
-    layer.running_mean, layer.running_var = model.running_mean, model.running_var
-    layer.num_batches_tracked = model.num_batches_tracked
-    layer.train(model.training)
-    return layer
-
-
-class _SyncBatchNormCPU(torch.nn.modules.batchnorm._BatchNorm):
-    """sync_batchnorm's layer for CPU processes (torch's SyncBatchNorm refuses CPU input): in training, the global
-    batch's mean, then its variance (two passes, as exact as one process's), each a sum all-reduced by
-    _AllReduceSum, whose backward sums the gradients over the ranks."""
-
-    synchronized = True  # what ddp_check reads: this layer's statistics are the global batch's
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (batch, channels, ...), got {input.dim()}D input")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        batch_stats = self.training or self.running_mean is None
-        if not batch_stats or get_world_size() == 1:
-            return super().forward(input)  # exactly BatchNorm
-        self._check_input_dim(input)
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # the cumulative average, as BatchNorm's
-                factor = 1.0 / float(self.num_batches_tracked)
-        channels, dims = input.shape[1], [0, *range(2, input.dim())]
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        # Statistics in float32 at least, as BatchNorm's kernels keep them: a bf16 sum of a global batch (autocast)
-        # loses its mean, and a bf16 count is exact only up to 256.
-        x = input.to(torch.promote_types(input.dtype, torch.float32))
-        local = torch.cat([x.sum(dims), x.new_full((1,), x.numel() // max(channels, 1))])
-        total = _AllReduceSum.apply(local)
-        count = int(total[-1].detach())
-        if count <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.shape} "
-                             f"on this rank and {count} value(s) per channel in the global batch")
-        mean = total[:-1] / count
-        centered = x - mean.reshape(shape)
-        var = _AllReduceSum.apply(centered.square().sum(dims)) / count
-        out = centered * torch.rsqrt(var + self.eps).reshape(shape)
-        if self.affine:
-            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
-        if self.training and self.track_running_stats:
-            with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
-                self.running_var.mul_(1 - factor).add_(var.detach() * (count / (count - 1)) * factor)
-        return out.to(input.dtype)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """A sum over the ranks that gradients flow through: every rank's loss depends on the sum, so each rank's input
-    gets the sum of the ranks' gradients (torch.distributed.nn's all_reduce does this, deprecated in torch 2.13)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        total = tensor.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        total = grad.contiguous().clone()
-        dist.all_reduce(total)
-        return total
 
 
 # ------------------------------ Collectives --------------------------------------------------
@@ -1274,21 +1120,20 @@ class _RankFiles:
             return f.read()
         return ""
 
-    def report(self, rank: int) -> dict | None:
+    def report(self, rank: int) -> _RankError | None:
         """The rank's exception report (_worker_entry's), or None."""
         with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError), open(self.path(rank, "err"), "rb") as f:
             return pickle.load(f)
         return None
 
 
-# ------------------------------ The lifecycle: start, wait, stop -------------------------------
-_GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
-
-
+# ------------------------------ The lifecycle: start, wait, stop ---------------------------------
 class _Workers:
     """The processes of one local job started by launch(). Not torch.multiprocessing.spawn, which
     leaves workers running when the parent alone gets SIGINT or SIGKILL and reports whichever
     failure it sees first, often a collateral "connection closed". ``env`` adds to every worker's."""
+
+    _GRACE_S = 0.5  # after SIGTERM, how long a worker may take before SIGKILL
 
     def __init__(self, worker: Callable[..., Any], nprocs: int, args: tuple, env: dict | None = None):
         self.dir = tempfile.mkdtemp(prefix="distributed-py-")
@@ -1316,55 +1161,28 @@ class _Workers:
             p.start()
             self.processes.append(p)
 
-    def join(self, stopping: _Stopping | None = None) -> None:
+    def join(self, stopping: _Stopping) -> None:
         """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that exits
-        with 128 + a stop signal's number (or REQUEUE_EXIT), or dies of a signal ``stopping`` forwarded, did not
-        fail; one that ``stopping`` had to kill after its grace did: its unsaved work is lost."""
+        with a stop's code, or dies of a signal ``stopping`` forwarded, did not fail; one that ``stopping`` had to
+        kill after its grace did: its unsaved work is lost."""
         pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(sentinel)
                 self._end(rank)
-                if self._failed(rank, stopping):
-                    if stopping is not None and rank in stopping.killed:
-                        raise self._killed_after_grace(stopping)
-                    seen_at = time.time()
-                    first = self.files.report(rank)
-                    if first is not None and re.search(_COLLATERAL, first["traceback"]):
-                        # gloo closes a failing rank's connections before its exception reaches Python: the
-                        # rank that failed first may still be writing its report, and a busy machine can report
-                        # the exit of a rank killed by a signal after its peers'. A moment for every rank to exit.
-                        deadline = time.monotonic() + 1.0
-                        for p in self.processes:
-                            p.join(max(deadline - time.monotonic(), 0))
-                    # Before the others are stopped: a rank seen later (a slowed launcher sees every exit at once, in
-                    # any order) may be the one that died first, with no report, its peers' errors collateral.
-                    failed = [r for r, p in enumerate(self.processes)
-                              if p.exitcode is not None and self._failed(r, stopping)]
-                    reports = [report for report in map(self.files.report, range(len(self.processes))) if report]
-                    # Any rank's timeout counts: the first to exit may be one that then lost its peer.
-                    timed_out = any(p.exitcode == -signal.SIGABRT for p in self.processes) or \
-                        any(re.search(_TIMED_OUT, report["traceback"]) for report in reports)
-                    stacks = _stacks(self.processes, self.files) if timed_out else None  # before the others stop
-                    self._stop_all()
-                    raise _root_cause(self.processes, self.files, self.started, rank, failed, seen_at, time.time(),
-                                      stacks)
+                if not self.failed(rank, stopping):
+                    continue
+                if rank in stopping.killed:
+                    raise _killed_after_grace(self, stopping)
+                evidence = _evidence(self, rank, stopping)  # before the others are stopped
+                self._stop_all()
+                raise _root_cause(self, evidence, killed_at=time.time())
 
-    def _failed(self, rank: int, stopping: _Stopping | None) -> bool:
+    def failed(self, rank: int, stopping: _Stopping) -> bool:
         """Whether an exited rank failed: not 0, not a stop's exit code, not a signal ``stopping`` forwarded."""
         code = self.processes[rank].exitcode
-        forwarded = stopping is not None and -code in stopping.received and rank not in stopping.killed
+        forwarded = -code in stopping.received and rank not in stopping.killed
         return code != 0 and code not in _STOP_EXITS and not forwarded
-
-    def _killed_after_grace(self, stopping: _Stopping) -> WorkerFailed:
-        for p in self.processes:
-            p.join()  # the deadline killed them all at once
-        lost = "; ".join(f"rank {rank}: {self.files.read(rank, 'progress') or 'it reported no snapshot'}"
-                         for rank in stopping.killed)
-        return WorkerFailed(f"rank(s) {stopping.killed} had not exited {stopping.grace:g} s after "
-                            f"{signal.Signals(stopping.received[0]).name} and were killed: what they did since "
-                            f"their last snapshot is lost ({lost}). Stop sooner (a Checkpointer checks about every "
-                            "second), save faster, or give launch() a longer grace", stopping.killed[0])
 
     def close(self) -> None:
         """Terminate every live worker (SIGTERM, then SIGKILL after a grace period); idempotent."""
@@ -1377,7 +1195,7 @@ class _Workers:
         alive = [p for p in self.processes if p.is_alive()]
         for p in alive:
             p.terminate()  # SIGTERM; a process that has exited meanwhile is skipped
-        deadline = time.monotonic() + _GRACE_S
+        deadline = time.monotonic() + self._GRACE_S
         for p in alive:
             p.join(max(deadline - time.monotonic(), 0))
             if p.is_alive():
@@ -1425,29 +1243,41 @@ def _worker_entry(worker: Callable[..., Any], rank: int, nprocs: int, args: tupl
     # SIGINT sent to every process (scancel --signal=INT) is the launcher's too: N KeyboardInterrupt tracebacks
     # would bury its report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # On a collective's timeout the launcher asks every rank where it is (this file object stays open).
-    # A rank that dies of a fatal signal (SIGABRT from NCCL's watchdog) leaves its stacks there too.
-    files = _RankFiles(env[_JOB_DIR_ENV])
-    stack_file = open(files.path(rank, "stack"), "w")  # noqa: SIM115 (open until the process ends)
-    faulthandler.register(_STACK_SIGNAL, stack_file, all_threads=True)
-    faulthandler.enable(stack_file, all_threads=True)
-    _die_with_parent(parent_pid)
     # A forkserver child inherits it as the default start method: back to the platform's, as under torchrun
     # and srun, so DataLoader workers fork from this rank and inherit its stop-signal recorder.
     multiprocessing.set_start_method(None, force=True)
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    files = _RankFiles(env[_JOB_DIR_ENV])
+    stack_file = open(files.path(rank, "stack"), "w")  # noqa: SIM115 (open until the process ends)
+    _prepare_rank(_launcher_env(), stack_file, parent_pid)
     try:
         worker(rank, nprocs, *args)
     except Exception as e:
-        report = {"time": time.time(), "traceback": traceback.format_exc(),
-                  "type": type(e).__qualname__, "message": str(e)}
+        pickled = None
         with contextlib.suppress(Exception):
             pickle.loads(pickle.dumps(e))
-            report["exception"] = pickle.dumps(e)
+            pickled = pickle.dumps(e)
+        report = _RankError(time.time(), rank, type(e).__qualname__, str(e), traceback.format_exc(), pickled)
         files.write(rank, "err", pickle.dumps(report))
         # This is the process's main, not library code: the exit code tells the parent to look.
         raise SystemExit(1) from None
+
+
+def _prepare_rank(env: _Launcher, stack_file: Any = None, launcher_pid: int | None = None) -> None:
+    """What a rank sets up once, under any launcher (launch()'s ranks as they start, the others as they join): a
+    name ps shows, death with its launcher, its stacks on SIGQUIT (for launch()'s, into the job directory, where
+    the launcher collects them, also as it dies of a fatal signal: NCCL's watchdog), srun's CPUs as its threads."""
+    _name_process(f"r{env.rank}")
+    if env.mode in ("torchrun", "spawn"):  # a SIGKILLed launcher must not leave its ranks running
+        _die_with_parent(launcher_pid)
+    if stack_file is None:  # `kill -QUIT <pid>` prints where this rank is
+        faulthandler.register(_STACK_SIGNAL, all_threads=True)
+    else:
+        faulthandler.register(_STACK_SIGNAL, stack_file, all_threads=True)
+        faulthandler.enable(stack_file, all_threads=True)
+    if env.mode == "slurm" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(_slurm_threads())  # unlike torchrun, srun sets no OMP_NUM_THREADS
 
 
 def _local_rendezvous(workdir: str) -> tuple[str, Any]:
@@ -1484,10 +1314,8 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
     """SIGKILL this process when its launcher dies: the parent-death signal when the launcher is the
     parent (torchrun's agent); a worker of launch()'s forkserver, which outlives the launcher while
     any worker holds its "alive" pipe, also watches the launcher's pidfd."""
-    if sys.platform != "linux":
+    if not _prctl(1, signal.SIGKILL):  # 1: PR_SET_PDEATHSIG
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     if launcher_pid in (None, os.getppid()):
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
@@ -1503,10 +1331,17 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
                      name="exit-with-launcher", daemon=True).start()
 
 
-# How a rank exits after a stop: a shell's code for the signal, or 75 when a due requeue failed.
-_STOP_EXITS = (*(128 + signum for signum in STOP_SIGNALS), REQUEUE_EXIT)
+def _prctl(option: int, arg: int | bytes) -> bool:
+    """Linux's prctl(2) for this process; False where there is none (other systems) or it fails."""
+    if sys.platform != "linux":
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
+# ------------------------------ Stops: the signals launch() forwards -----------------------------
 class _Stopping:
     """What launch()'s handler of the stop signals did: the signals it forwarded, the ranks it killed after the
     grace (they had not exited: their unsaved work is lost)."""
@@ -1518,14 +1353,14 @@ class _Stopping:
 
 
 @contextlib.contextmanager
-def _forwarding_stop_signals(processes: list, grace: float) -> Iterator[_Stopping]:
+def _forwarding_stop_signals(workers: _Workers, grace: float) -> Iterator[_Stopping]:
     """While the workers run, a stop signal goes on to each of them, and SIGKILL ``grace`` seconds after
-    the first. Afterwards, unless a rank failed, the launcher dies of the first one, as its sender expects
-    (exit code 128 + its number)."""
+    the first; the launcher's own handlers come back afterwards."""
     stopping = _Stopping(grace)
     if threading.current_thread() is not threading.main_thread():
         yield stopping  # signal handlers can only be installed in the main thread
         return
+    processes = workers.processes
 
     def kill_the_rest() -> None:
         stopping.killed += [rank for rank, p in enumerate(processes) if p.exitcode is None]
@@ -1551,13 +1386,103 @@ def _forwarding_stop_signals(processes: list, grace: float) -> Iterator[_Stoppin
         deadline.cancel()
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        # A rank that raised is the root cause, signal or not: its error propagates instead of the signal.
-        if stopping.received and sys.exception() is None:
-            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
-            signal.raise_signal(stopping.received[0])
 
 
-# ------------------------------ The failure report: the root cause, not the collateral ---------
+def _end_as_stopped(workers: _Workers, stopping: _Stopping) -> None:
+    """The launcher's end once no rank failed and every worker is gone: a launcher sent a stop signal dies of it,
+    as its sender expects (exit code 128 + its number); one whose ranks stopped at a signal of their own (and
+    saved) exits with their code. A rank that failed never gets here: its error is the launcher's."""
+    if stopping.received:
+        shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)  # dying skips atexit
+        signal.raise_signal(stopping.received[0])
+    if stopped := [p.exitcode for p in workers.processes if p.exitcode in _STOP_EXITS]:
+        raise SystemExit(stopped[0])
+
+
+# ------------------------------ The failure report: the root cause, not the collateral -----------
+_TIMED_OUT = r"Timed out|timed out|Timeout"
+# A peer vanished or timed out: what the surviving ranks see when another rank fails first.
+_COLLATERAL = (r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|Socket Timeout|Timed out waiting|timed out|"
+               r"peer rank \d+ \(pid \d+\) exited")
+
+
+class _RankError(NamedTuple):
+    """The exception that ended one of launch()'s ranks, as the rank records it for the launcher (rank<r>.err)."""
+    time: float
+    rank: int
+    type: str  # the exception's class, qualified
+    message: str
+    traceback: str
+    exception: bytes | None  # the exception itself, pickled, where it pickles: the launcher re-raises it as is
+
+    @property
+    def collateral(self) -> bool:
+        """Whether it only says that a peer went away or timed out: what the others see when a rank fails first."""
+        return bool(re.search(_COLLATERAL, self.traceback))
+
+
+class _Evidence(NamedTuple):
+    """What the launcher gathers at the first failure it sees, before it stops the other ranks."""
+    first: int  # the failed rank it saw first
+    seen_at: float
+    failed: list[int]  # every rank exited failing by then: a slowed launcher sees exits at once, in any order
+    stacks: dict[int, str] | None  # every rank's stacks where a collective timed out, else None
+
+
+def _evidence(workers: _Workers, first: int, stopping: _Stopping) -> _Evidence:
+    seen_at = time.time()
+    report = workers.files.report(first)
+    if report is not None and report.collateral:
+        # gloo closes a failing rank's connections before its exception reaches Python: the rank that failed
+        # first may still be writing its report, and a busy machine can report the exit of a rank killed by a
+        # signal after its peers'. A moment for every rank to exit.
+        deadline = time.monotonic() + 1.0
+        for p in workers.processes:
+            p.join(max(deadline - time.monotonic(), 0))
+    failed = [rank for rank, p in enumerate(workers.processes)
+              if p.exitcode is not None and workers.failed(rank, stopping)]
+    reports = [report for report in map(workers.files.report, range(len(workers.processes))) if report]
+    # Any rank's timeout counts: the first to exit may be one that then lost its peer.
+    timed_out = any(p.exitcode == -signal.SIGABRT for p in workers.processes) or \
+        any(re.search(_TIMED_OUT, report.traceback) for report in reports)
+    stacks = _stacks(workers.processes, workers.files) if timed_out else None
+    return _Evidence(first, seen_at, failed, stacks)
+
+
+def _root_cause(workers: _Workers, evidence: _Evidence, killed_at: float) -> BaseException:
+    """The failure to report: every rank that raised, or exited failing, before the job was stopped competes. A
+    rank that raised or died first is the root cause; errors that only say a peer went away ("connection
+    closed") are what the *other* ranks see, so they rank last."""
+    processes, files = workers.processes, workers.files
+    reports = {rank: files.report(rank) for rank in range(len(processes))}
+    competing = []  # (collateral, time, rank, report or None)
+    for rank, report in reports.items():
+        if report is not None and report.time <= killed_at:
+            competing.append((report.collateral, report.time, rank, report))
+        elif rank == evidence.first:
+            competing.append((False, evidence.seen_at, rank, None))
+        elif rank in evidence.failed:  # died without a report (a signal, a crash in C): seen after the first
+            competing.append((False, killed_at, rank, None))
+    collateral, _, rank, report = min(competing, key=lambda failure: failure[:3])
+    if report is None:
+        error = _exit_error(workers, rank)
+    else:
+        error = _exception_from(report, located=evidence.stacks is not None)
+    finished = [r for r, p in enumerate(processes) if p.exitcode == 0]
+    if collateral and finished:
+        error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {rank} still "
+                       "called a collective: every rank must run the same collectives (the same number of "
+                       "batches)")
+    # The job's backend as its ranks wrote it: the launcher's own view of the GPUs says nothing of it.
+    nccl = any(files.read(r, "backend") == "nccl" for r in range(len(processes)))
+    if evidence.stacks is not None:  # a collective timed out: where was each rank?
+        tracebacks = {r: report.traceback for r, report in reports.items() if report is not None}
+        error.add_note(_where_ranks_are(evidence.stacks, tracebacks, nccl=nccl))
+    if nccl and (dumps := _flight_recorder_dumps(len(processes), workers.started)):
+        error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
+    return error
+
+
 _SIGNAL_HINTS = {
     "SIGKILL": " (the OOM killer sends SIGKILL: check memory, e.g. dmesg)",
     "SIGABRT": " (under nccl, NCCL's watchdog aborts a rank whose collective timed out: another rank is probably "
@@ -1565,77 +1490,32 @@ _SIGNAL_HINTS = {
 }
 
 
-_TIMED_OUT = r"Timed out|timed out|Timeout"
-# A peer vanished or timed out: what the surviving ranks see when another rank fails first.
-_COLLATERAL = (r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|Socket Timeout|Timed out waiting|timed out|"
-               r"peer rank \d+ \(pid \d+\) exited")
-_STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> shows a rank's stack
-_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
-# This project's files, beside this one: their frames are never "your code" in a report.
-_LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py")
-# This project's functions that wait for every rank: a rank inside one is waiting for its peers.
-_COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested")
-# Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
-_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
-
-
-class _Failure(NamedTuple):
-    collateral: bool  # its error only says that a peer went away or timed out
-    time: float
-    rank: int
-    report: dict | None  # its exception, as _worker_entry recorded it; None: it died without one
-
-
-def _root_cause(processes: list, files: _RankFiles, started: float, first: int, failed: list[int], seen_at: float,
-                killed_at: float, stacks: dict | None) -> BaseException:
-    """The failure to report: every rank that raised or ``failed`` (exited, failing) before the job was stopped
-    competes; ``first`` is the one the launcher saw first."""
-    failures, reports = [], {}
-    for rank in range(len(processes)):
-        report = reports[rank] = files.report(rank)
-        if report is not None and report["time"] <= killed_at:
-            collateral = bool(re.search(_COLLATERAL, report["traceback"]))
-            failures.append(_Failure(collateral, report["time"], rank, report))
-        elif rank == first:
-            failures.append(_Failure(False, seen_at, rank, None))
-        elif rank in failed:  # died without a report (a signal, a crash in C): seen after the first, it ranks after
-            failures.append(_Failure(False, killed_at, rank, None))
-    # A rank that raised or died first is the root cause; errors that only say a peer went
-    # away ("connection closed") are what the *other* ranks see, so they rank last.
-    root = min(failures, key=lambda f: (f.collateral, f.time, f.rank))
-    if root.report is None:
-        error = _exit_error(processes, files, root.rank)
-    else:
-        error = _exception_from_report(root.rank, root.report, located=stacks is not None)
-    finished = [r for r, p in enumerate(processes) if p.exitcode == 0]
-    if root.collateral and finished:
-        error.add_note(f"rank(s) {finished} had already finished (exit code 0) while rank {root.rank} still "
-                       "called a collective: every rank must run the same collectives (the same number of "
-                       "batches)")
-    # The job's backend as its ranks wrote it: the launcher's own view of the GPUs says nothing of it.
-    nccl = any(files.read(rank, "backend") == "nccl" for rank in range(len(processes)))
-    if stacks is not None:  # a collective timed out: where was each rank?
-        error.add_note(_where_ranks_are(stacks, reports, nccl=nccl))
-    if nccl and (dumps := _flight_recorder_dumps(len(processes), started)):
-        error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
-    return error
-
-
-def _exit_error(processes: list, files: _RankFiles, rank: int) -> WorkerFailed:
+def _exit_error(workers: _Workers, rank: int) -> WorkerFailed:
     """A rank that died without a Python exception; one killed by a fatal signal is placed by the stacks
     faulthandler wrote as it died (kept in a file of their own: the job's directory is deleted)."""
-    exitcode = processes[rank].exitcode
+    exitcode = workers.processes[rank].exitcode
     if exitcode >= 0:
         return WorkerFailed(f"rank {rank} exited with code {exitcode} without a Python exception", rank)
     name = signal.Signals(-exitcode).name
     message = f"rank {rank} was killed by signal {name}{_SIGNAL_HINTS.get(name, '')}"
-    if progress := files.read(rank, "progress"):
+    if progress := workers.files.read(rank, "progress"):
         message += f" ({progress})"
-    stack = files.read(rank, "stack")
+    stack = workers.files.read(rank, "stack")
     frames = _user_frames(stack)[1]
     if frames:
         message += f"; it was at {_place(frames)} (its stacks: {_keep_stacks({rank: stack})})"
     return WorkerFailed(message, rank)
+
+
+def _killed_after_grace(workers: _Workers, stopping: _Stopping) -> WorkerFailed:
+    for p in workers.processes:
+        p.join()  # the deadline killed them all at once
+    lost = "; ".join(f"rank {rank}: {workers.files.read(rank, 'progress') or 'it reported no snapshot'}"
+                     for rank in stopping.killed)
+    return WorkerFailed(f"rank(s) {stopping.killed} had not exited {stopping.grace:g} s after "
+                        f"{signal.Signals(stopping.received[0]).name} and were killed: what they did since "
+                        f"their last snapshot is lost ({lost}). Stop sooner (a Checkpointer checks about every "
+                        "second), save faster, or give launch() a longer grace", stopping.killed[0])
 
 
 class _ScriptUnpickler(pickle.Unpickler):
@@ -1645,24 +1525,26 @@ class _ScriptUnpickler(pickle.Unpickler):
         return super().find_class("__main__" if module == "__mp_main__" else module, name)
 
 
-def _exception_from_report(rank: int, report: dict, located: bool = False) -> BaseException:
-    if "traceback" not in report:
-        return WorkerFailed(report["message"], rank)
-    note = f"\n[rank {rank}] failed first; its traceback:\n{report['traceback'].rstrip()}"
-    if re.search(_TIMED_OUT, report["traceback"]) and not located:
+def _exception_from(report: _RankError, located: bool = False) -> BaseException:
+    """The rank's exception itself where it unpickles (else a WorkerFailed naming it), its traceback as a note."""
+    note = f"\n[rank {report.rank}] failed first; its traceback:\n{report.traceback.rstrip()}"
+    if re.search(_TIMED_OUT, report.traceback) and not located:
         note += ("\nA collective timed out: another rank is probably stuck (or slower than the timeout;"
                  " raise it with init_process_group(..., timeout=seconds)).")
     try:
-        error = _ScriptUnpickler(io.BytesIO(report["exception"])).load()
+        error = _ScriptUnpickler(io.BytesIO(report.exception)).load()
     except Exception:
-        error = WorkerFailed(f"rank {rank} raised {report['type']}: {report['message']}", rank)
+        error = WorkerFailed(f"rank {report.rank} raised {report.type}: {report.message}", report.rank)
     with contextlib.suppress(AttributeError):
-        error.rank = rank
+        error.rank = report.rank
     error.add_note(note)
     return error
 
 
 # ------------------------------ The hang report: where each rank was ---------------------------
+_STACK_SIGNAL = signal.SIGQUIT  # faulthandler's stack dump; kill -QUIT <pid> shows a rank's stack
+
+
 def _stacks(processes: list, files: _RankFiles) -> dict[int, str]:
     """Every live rank's Python stacks, dumped by faulthandler on _STACK_SIGNAL (from C, so also
     while C code holds the GIL; a rank that does not answer within a second is left out), and those
@@ -1679,14 +1561,14 @@ def _stacks(processes: list, files: _RankFiles) -> dict[int, str]:
     return {rank: text for rank, text in stacks.items() if text or rank in live}
 
 
-def _where_ranks_are(stacks: dict[int, str], reports: dict[int, dict | None], nccl: bool = False) -> str:
-    """Each rank's place when a collective timed out, from its stack (alive) or its traceback (failed):
+def _where_ranks_are(stacks: dict[int, str], tracebacks: dict[int, str], nccl: bool = False) -> str:
+    """Each rank's place when a collective timed out, from its stack (alive) or its traceback (raised):
     waiting in a collective, raised, or not in one (it never reached it), the innermost frames of the user's
     code first. Under nccl (``nccl``: the job's backend) a collective on CUDA tensors returns before it
     completes and the rank blocks at its next synchronizing call: a place outside one is only where it blocked."""
     texts, raised = {}, set()
-    for rank in sorted(stacks.keys() | {r for r, report in reports.items() if report}):
-        stack, tb = stacks.get(rank, ""), (reports.get(rank) or {}).get("traceback", "")
+    for rank in sorted(stacks.keys() | tracebacks.keys()):
+        stack, tb = stacks.get(rank, ""), tracebacks.get(rank, "")
         # A rank caught exiting after its own timeout has no frame of the user's left: its traceback places it.
         if stack and (not tb or _user_frames(stack)[1]):
             texts[rank] = stack
@@ -1745,6 +1627,17 @@ def _keep_stacks(texts: dict[int, str]) -> str:
 def _place(frames: list[tuple[str, str, str]]) -> str:
     """The innermost three frames of the user's code: ``train.py:42 in evaluate <- train.py:30 in main``."""
     return " <- ".join(f"{os.path.basename(file)}:{line} in {function}" for file, line, function in frames[:3])
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+# This project's files, beside this one: their frames are never "your code" in a report.
+_LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py",
+                  "seeded_dataset.py", "sync_batchnorm.py")
+# This project's functions that wait for every rank: a rank inside one is waiting for its peers.
+_COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested",
+                       "_all_reduced")
+# Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
+_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
 
 
 def _user_frames(text: str) -> tuple[str, list[tuple[str, str, str]]]:

@@ -16,9 +16,8 @@ import sys
 import time
 import warnings
 
-# torch warns at import that numpy is missing, which nothing here needs; PYTHONWARNINGS: in launch()'s processes too.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy")
-os.environ.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")  # torch's at import: numpy is not needed here
+os.environ.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")  # and in launch()'s processes
 import torch  # noqa: E402
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ import distributed
 from checkpointer import Checkpointer  # optional: exact resume and clean stops
 from min_ddp_cli import SettingsError, parse_args  # the flags, --config, and their checks
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
+from sync_batchnorm import sync_batchnorm  # optional: BatchNorm on the global batch (--sync-bn)
 
 FEATURES, CLASSES, VAL_SIZE, DATA_SEED = 32, 10, 4096, 1234  # the data is fixed; --seed: the init, the order
 
@@ -45,17 +45,17 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     layers = [nn.Linear(FEATURES, 256, bias=False), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(256, CLASSES)).to(device)
-    model = distributed.sync_batchnorm(model) if args.sync_bn else model  # BatchNorm on the global batch
+    model = sync_batchnorm(model) if args.sync_bn else model  # BatchNorm on the global batch
     world = distributed.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_set, val_set = make_dataset("train", args.train_size), make_dataset("val", VAL_SIZE)
-    sampler = distributed.data_sampler(train_set, True, shuffle=True, seed=args.seed)  # alone too: one order
+    train_set, val = make_dataset("train", args.train_size), make_dataset("val", VAL_SIZE)
+    sampler = distributed.data_sampler(train_set, shuffle=True, seed=args.seed)  # this rank's share
     if args.batch_size > len(sampler):
         raise SettingsError(f"--batch-size {args.batch_size} is more than each process's share of the training data "
                             f"({len(sampler)} samples at world size {world}); use --batch-size {len(sampler)} or less")
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
                         pin_memory=device.type == "cuda")
-    val_loader = DataLoader(val_set, args.batch_size, sampler=distributed.data_sampler(val_set, True, False, pad=False))
+    val_loader = DataLoader(val, args.batch_size, sampler=distributed.data_sampler(val, shuffle=False, pad=False))
     zeros = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples: summable over ranks
     metrics = {"unlogged": zeros, "epoch": zeros.clone(), "train_loss": float("nan"), "world": world}
     try:  # restores the model, optimizer, RNG, position and metrics from --snapshot if it exists
@@ -88,8 +88,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:
-    """DDP for more than one process (gradients as views into its all-reduce buckets: one copy less per step),
-    and which all-reduce averages the gradients."""
+    """DDP beyond one process (gradients as views into its buckets: one copy less a step), and its all-reduce."""
     if distributed.get_world_size() == 1:
         return model, "none"
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -107,31 +106,32 @@ def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
 
 def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
                 ckpt: Checkpointer, metrics: dict, args: argparse.Namespace) -> float:
-    """The rest of this epoch: an optimizer step every --grad-accum batches, metrics every --log-every
-    batches; returns the epoch's global mean training loss."""
+    """The rest of this epoch, a step every --grad-accum batches; returns the epoch's global mean training loss."""
     model.train()
     device, accum = next(model.parameters()).device, args.grad_accum
     first = ckpt.epoch_steps * accum  # batches done before a mid-epoch resume (the sampler skips them)
     batches, stats = first + len(loader), metrics["unlogged"]
     for i, (x, y) in enumerate(loader, start=first):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        syncing = (i + 1) % accum == 0 or i + 1 == batches  # the last group of an epoch may be short
-        loss, logits = micro_step(model, x, y, syncing, min(accum, batches - i // accum * accum))
+        group_start = i - i % accum  # this batch's accumulation group: its first batch,
+        group = min(accum, batches - group_start)  # its size (an epoch's last group may be short),
+        last_of_group = i + 1 == group_start + group  # and whether this batch ends it (all-reduce, step)
+        loss, logits = micro_step(model, x, y, last_of_group, group)
         stats[:2] += torch.stack([loss * len(y), (logits.argmax(1) == y).sum()])
         stats[2] += len(y)  # a Python number: no copy to the device, no wait for it
         if (i + 1) % args.log_every == 0 or i + 1 == batches:
             metrics["epoch"] += log_metrics(stats, f"epoch {ckpt.epoch + 1} step {i + 1}/{batches}")
             stats.zero_()
-        if syncing:
+        if last_of_group:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             ckpt.step()  # a snapshot, or a stop, when due
     return (metrics["epoch"][0] / metrics["epoch"][2]).item()
 
 
-def micro_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, syncing: bool, group: int) -> tuple:
-    """Forward and backward of 1/group of a group's mean loss; only the group's last (syncing) all-reduces."""
-    with model.no_sync() if isinstance(model, DDP) and not syncing else contextlib.nullcontext():
+def micro_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, last_of_group: bool, group: int) -> tuple:
+    """Forward and backward of 1/group of a group's mean loss; only the group's last batch all-reduces."""
+    with model.no_sync() if isinstance(model, DDP) and not last_of_group else contextlib.nullcontext():
         logits = model(x)  # inside no_sync too: DDP decides at the forward whether the backward all-reduces
         loss = F.cross_entropy(logits, y)
         (loss / group).backward()

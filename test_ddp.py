@@ -29,6 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 import distributed
+from seeded_dataset import seeded_dataset
+from sync_batchnorm import sync_batchnorm
 from harness import (CLASSES, FEATURES, SCRIPTS, build_data, build_model, check_training, examples, grad_vector,
                       loss_fn, one_thread, run, task_all_gather, task_eval, task_grads, task_identity,
                       task_readme_evaluate, task_reduce, task_sampler, task_sampler_skip,
@@ -152,8 +154,21 @@ def test_padded_sampler_would_count_duplicates_in_evaluation(pools):
     assert sum(len(r[0]) for r in exact) == 10
 
 
-def test_data_sampler_is_none_when_not_distributed():
-    assert distributed.data_sampler(TensorDataset(torch.arange(5)), False, True) is None
+def test_not_distributed_sampler_gives_each_rank_all_in_one_process_order(pools):
+    """A port that passes its own ``args.distributed`` (False) to data_sampler: each of 2 ranks gets every sample,
+    in the order a world of one gets (here, the test's process: no group), resumable mid-epoch like any share
+    (the skipped samples never loaded); ``data_sampler(data)`` alone is the common call, distributed and shuffled."""
+    spec = {"n": 23, "shuffle": True, "pad": True, "seed": 5, "epoch": 3, "skip": 7, "batch": 4, "distributed": False}
+    alone = distributed.data_sampler(TensorDataset(torch.arange(23)), shuffle=True, seed=5)
+    alone.set_epoch(3)
+    order = list(alone)
+    assert sorted(order) == list(range(23)) and order != list(range(23))
+    for rank, got in enumerate(pools.run(2, task_sampler_skip, spec)):
+        assert got["whole"] == order, f"rank {rank} did not get every sample in one process's order"
+        assert got["resumed"] == got["loaded"] == order[7:] and got["len"] == 16 and got["next_len"] == 23
+    data = TensorDataset(torch.arange(23))
+    default, explicit = distributed.data_sampler(data), distributed.data_sampler(data, True, True)
+    assert list(default) == list(explicit) != list(range(23))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,7 +472,7 @@ def test_seeded_dataset_gives_each_sample_one_draw_per_epoch_and_spares_the_call
     """seeded_dataset: a sample reads the same however often it is read and whatever the caller's generators
     hold (any rank, worker or resume point), differently in another epoch (set through data_sampler's set_epoch)
     and for another index; the caller's torch and Python generators are left as they were."""
-    data = distributed.seeded_dataset(RandomCrops(), seed=7)
+    data = seeded_dataset(RandomCrops(), seed=7)
     sampler = distributed.data_sampler(data, True, shuffle=True)
     torch.manual_seed(0)
     before, python_before = torch.get_rng_state(), random.getstate()
@@ -473,14 +488,14 @@ def test_seeded_dataset_gives_each_sample_one_draw_per_epoch_and_spares_the_call
     assert torch.equal(torch.get_rng_state(), before) and random.getstate() == python_before
     assert len(data) == 6 and data.classes == ("a", "b")
     with pytest.raises(TypeError, match="seed must be an integer, got: 1.5"):
-        distributed.seeded_dataset(RandomCrops(), 1.5)
+        seeded_dataset(RandomCrops(), 1.5)
 
 
 def test_seeded_dataset_draws_per_index_alike_in_any_worker_and_resume():
     """Every index of an epoch gets its own draw (torch's and Python's: a seed that ignored the index gave every
     sample of an epoch the same augmentation); the same index gets the same draw in two DataLoader workers and in
     a new wrapper, as a resumed process builds it."""
-    data = distributed.seeded_dataset(RandomCrops(), seed=7)
+    data = seeded_dataset(RandomCrops(), seed=7)
     draws = [data[i] for i in range(len(data))]
     noise = [x - i for i, (x, _) in enumerate(draws)]  # RandomCrops adds the index: (r + i) - i is r to rounding
     closest = min((a - b).abs().max().item() for n, a in enumerate(noise) for b in noise[n + 1:])
@@ -489,7 +504,7 @@ def test_seeded_dataset_draws_per_index_alike_in_any_worker_and_resume():
     loader = torch.utils.data.DataLoader(data, batch_size=1, sampler=[3, 3], num_workers=2)
     (x0, p0), (x1, p1) = [(x[0], p.item()) for x, p in loader]  # batch 0 from worker 0, batch 1 from worker 1
     assert torch.equal(x0, x1) and torch.equal(x0, draws[3][0]) and p0 == p1 == draws[3][1]
-    resumed = distributed.seeded_dataset(RandomCrops(), seed=7)[3]
+    resumed = seeded_dataset(RandomCrops(), seed=7)[3]
     assert torch.equal(resumed[0], draws[3][0]) and resumed[1] == draws[3][1]
 
 
@@ -497,7 +512,7 @@ def test_seeded_dataset_batches_read_as_single_items_and_spare_the_callers():
     """A DataLoader in the main process reads a batch at once (the wrapper's __getitems__, where the caller's
     generators are saved and given back once a batch): each item of a batch equals its single read, with its own
     draw, and the caller's torch and Python streams go on as if no batch had been read."""
-    data = distributed.seeded_dataset(RandomCrops(), seed=3)
+    data = seeded_dataset(RandomCrops(), seed=3)
     singles = [data[i] for i in range(len(data))]
     # A generator of its own: iter(loader) draws its workers' base seed, from the global generator otherwise.
     loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=list, generator=torch.Generator())
@@ -534,11 +549,12 @@ def test_a_generator_the_dataset_owns_is_named_and_reached_per_sample():
     dataset's global draws, with the wrapper as the fix); seeded from torch.initial_seed() per item, it repeats."""
     with pytest.raises(ValueError, match=r"item 0 differs between two reads: your dataset draws from a generator "
                                          r"seeded_dataset does not reseed .*torch.initial_seed\(\)"):
-        distributed.check_repeatable(distributed.seeded_dataset(OwnsAGenerator(per_sample=False)))
+        distributed.check_repeatable(seeded_dataset(OwnsAGenerator(per_sample=False)))
     with pytest.raises(ValueError, match=r"item 3 differs between two reads: the data's items change .*Wrap the "
-                                         r"dataset with distributed.seeded_dataset"):
+                                         r"dataset with seeded_dataset\(data, seed\) \(`from seeded_dataset import "
+                                         r"seeded_dataset`"):
         distributed.check_repeatable(RandomCrops(), indices=[3])
-    data = distributed.seeded_dataset(OwnsAGenerator(per_sample=True), seed=5)
+    data = seeded_dataset(OwnsAGenerator(per_sample=True), seed=5)
     distributed.check_repeatable(data, indices=range(8))
     assert not torch.equal(data[1] - 1, data[2] - 2)
 
@@ -565,7 +581,7 @@ def test_seeded_dataset_seeds_numpy_where_imported_and_restores_the_callers():
     reads the same twice, in a loader worker, in the process and in a batch, and the caller's numpy stream goes on
     untouched."""
     np = pytest.importorskip("numpy")
-    data = distributed.seeded_dataset(NumpyNoise(), seed=2)
+    data = seeded_dataset(NumpyNoise(), seed=2)
     np.random.seed(11)
     expected = np.random.rand(2)
     np.random.seed(11)
@@ -591,7 +607,7 @@ def test_seeded_dataset_numpy_draws_ignore_which_global_bit_generator_is_seated(
     np = pytest.importorskip("numpy")
     if not hasattr(np.random, "set_bit_generator"):
         pytest.skip(f"numpy {np.__version__} has no set_bit_generator (added in 1.24): its global is always MT19937")
-    data = distributed.seeded_dataset(NumpyNoise(), seed=4)
+    data = seeded_dataset(NumpyNoise(), seed=4)
     expected = [data[i] for i in range(4)]
     callers = np.random.get_bit_generator()
     try:
@@ -603,18 +619,17 @@ def test_seeded_dataset_numpy_draws_ignore_which_global_bit_generator_is_seated(
     assert all(torch.equal(item, expected[i]) for i, item in enumerate(loader)), "a PCG64 worker drew otherwise"
 
 
-@pytest.mark.parametrize("call", ["data_sampler", "seeded_dataset"])
-def test_an_iterable_dataset_is_refused_naming_how_to_shard_it(call):
+def test_an_iterable_dataset_is_refused_naming_how_to_shard_or_seed_it():
+    """data_sampler and seeded_dataset have indices to work with; a stream has none: each says what to do."""
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(10))
 
-    with pytest.raises(TypeError, match=rf"{call}: got an IterableDataset \(Stream\).*get_world_size\(\).*"
+    with pytest.raises(TypeError, match=r"data_sampler: got an IterableDataset \(Stream\).*get_world_size\(\).*"
                                         r"get_rank\(\).*get_worker_info\(\).*same number of steps"):
-        if call == "data_sampler":
-            distributed.data_sampler(Stream(), True, True)
-        else:
-            distributed.seeded_dataset(Stream())
+        distributed.data_sampler(Stream(), True, True)
+    with pytest.raises(TypeError, match=r"seeded_dataset: got an IterableDataset \(Stream\).*record's own key"):
+        seeded_dataset(Stream())
 
 
 def test_sync_batchnorm_converts_in_place_keeping_weights_buffers_and_mode():
@@ -625,7 +640,7 @@ def test_sync_batchnorm_converts_in_place_keeping_weights_buffers_and_mode():
     plain[1][0].running_mean.fill_(0.5)
     plain[2].eval()
     weight, reference = plain[1][0].weight, copy.deepcopy(plain)
-    model = distributed.sync_batchnorm(plain)
+    model = sync_batchnorm(plain)
     assert model is plain and model[1][0].weight is weight
     assert torch.equal(model[1][0].running_mean, 0.5 * torch.ones(4))
     assert getattr(model[1][0], "synchronized", False) and not model[2].training and model[1][0].training
@@ -634,18 +649,18 @@ def test_sync_batchnorm_converts_in_place_keeping_weights_buffers_and_mode():
     assert torch.equal(model[1][0].running_var, reference[1][0].running_var)
     no_batchnorm = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
     children = list(no_batchnorm.children())
-    assert distributed.sync_batchnorm(no_batchnorm) is no_batchnorm and list(no_batchnorm.children()) == children
+    assert sync_batchnorm(no_batchnorm) is no_batchnorm and list(no_batchnorm.children()) == children
 
 
 def task_sync_batchnorm_edges(spec: dict) -> dict:
     rank, out = distributed.get_rank(), {}
     try:
-        distributed.sync_batchnorm(DDP(nn.Linear(2, 2)))
+        sync_batchnorm(DDP(nn.Linear(2, 2)))
     except TypeError as e:
         out["ddp"] = str(e)
     x = torch.arange(3, dtype=torch.float64).reshape(1, 3) + rank  # one sample per rank
-    out["one each"] = distributed.sync_batchnorm(nn.BatchNorm1d(3).double())(x).detach()
-    alone = distributed.sync_batchnorm(nn.BatchNorm1d(3).double())
+    out["one each"] = sync_batchnorm(nn.BatchNorm1d(3).double())(x).detach()
+    alone = sync_batchnorm(nn.BatchNorm1d(3).double())
     try:
         alone(x if rank == 0 else x[:0])  # rank 1 holds no sample: the global batch is one sample
         out["alone"] = "no error"
@@ -661,7 +676,7 @@ def test_sync_batchnorm_edges_on_two_ranks(pools):
     results = pools.run(2, task_sync_batchnorm_edges, {})
     both = nn.BatchNorm1d(3).double()(torch.arange(3, dtype=torch.float64).reshape(1, 3) + torch.tensor([[0.], [1.]]))
     for rank, found in enumerate(results):
-        assert "convert first, then wrap: DDP(distributed.sync_batchnorm(model))" in found["ddp"]
+        assert "convert first, then wrap: DDP(sync_batchnorm(model))" in found["ddp"]
         torch.testing.assert_close(found["one each"], both[rank:rank + 1], rtol=1e-12, atol=1e-12)
         assert "Expected more than 1 value per channel when training" in found["alone"], found["alone"]
         assert "1 value(s) per channel in the global batch" in found["alone"]
@@ -670,7 +685,7 @@ def test_sync_batchnorm_edges_on_two_ranks(pools):
 def task_sync_batchnorm_bf16(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
     rank = distributed.get_rank()
     x = 100 + torch.randn(1201, 3, generator=torch.Generator().manual_seed(rank))  # a mean far from 0
-    layer = distributed.sync_batchnorm(nn.BatchNorm1d(3))
+    layer = sync_batchnorm(nn.BatchNorm1d(3))
     return layer(x.to(torch.bfloat16)).detach(), layer.running_mean.clone()
 
 

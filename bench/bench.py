@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the library this measures sits one folder up, as in the repository
 import distributed as dist  # noqa: E402
 from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
+from seeded_dataset import seeded_dataset  # noqa: E402
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
@@ -350,7 +351,7 @@ def time_batches(runs: int, batch: int = 64, batches: int = 300) -> list[list[fl
 
 def alternate(runs: int, per_item_us: Callable[[torch.utils.data.Dataset], float]) -> list[list[float]]:
     """``per_item_us`` of the plain item and of the seeded one, taking turns, `runs` times."""
-    plain, seeded = SmallItem(), dist.seeded_dataset(SmallItem(), seed=1)
+    plain, seeded = SmallItem(), seeded_dataset(SmallItem(), seed=1)
     return [[per_item_us(plain), per_item_us(seeded)] for _ in range(runs)]
 
 

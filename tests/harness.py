@@ -277,7 +277,8 @@ def task_sampler_skip(spec: dict) -> dict:
     """This rank's order for an epoch, whole, then resumed after spec["skip"] samples through a
     DataLoader (what that loaded, and len() before), then the next epoch's len()."""
     data = CountingDataset(spec["n"])
-    sampler = distributed.data_sampler(data, True, spec["shuffle"], pad=spec["pad"], seed=spec["seed"])
+    sampler = distributed.data_sampler(data, spec.get("distributed", True), spec["shuffle"], pad=spec["pad"],
+                                       seed=spec["seed"])
     sampler.set_epoch(spec["epoch"])
     whole = list(sampler)
     sampler.set_epoch(spec["epoch"], skip=spec["skip"])

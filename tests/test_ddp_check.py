@@ -21,6 +21,8 @@ from torch.utils.data import TensorDataset
 
 import ddp_check
 import distributed
+from seeded_dataset import seeded_dataset
+from sync_batchnorm import sync_batchnorm
 from harness import SCRIPTS, leftover_processes, run
 from ddp_check import assert_ddp_equivalent, assert_step_equivalent
 
@@ -66,7 +68,7 @@ def augmented() -> Augmented:
 
 
 def seeded_augmented() -> torch.utils.data.Dataset:
-    return distributed.seeded_dataset(Augmented(), seed=5)
+    return seeded_dataset(Augmented(), seed=5)
 
 
 def convnet() -> nn.Module:
@@ -279,18 +281,18 @@ def failure(*args, **kwargs) -> str:
 def test_batchnorm_is_named_with_its_module_and_type():
     message = failure(batchnorm_mlp, vectors, cross_entropy, world_sizes=(2,))
     assert "world size 2, step 1, the gradient of `" in message
-    assert "BatchNorm in `1` (BatchNorm1d) normalizes" in message and "distributed.sync_batchnorm(model)" in message
+    assert "BatchNorm in `1` (BatchNorm1d) normalizes" in message and "sync_batchnorm(model)" in message
     assert "GroupNorm/LayerNorm" in message
 
 
 def synced_batchnorm_mlp() -> nn.Module:
     """BatchNorm1d, affine, tracking running statistics (momentum 0.1)."""
-    return distributed.sync_batchnorm(batchnorm_mlp())
+    return sync_batchnorm(batchnorm_mlp())
 
 
 def synced_batchnorm_conv() -> nn.Module:
     """BatchNorm2d without affine parameters, its running statistics a cumulative average (momentum=None)."""
-    return distributed.sync_batchnorm(nn.Sequential(
+    return sync_batchnorm(nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False, momentum=None), nn.ReLU(), nn.Flatten(),
         nn.Linear(4 * 4 * 4, 3)))
 
@@ -326,7 +328,7 @@ def test_random_augmentation_per_rank_fails_naming_seeded_dataset():
     data randomness and the helper rather than blaming the (correct) model."""
     message = failure(mlp, augmented, cross_entropy, world_sizes=(2,))
     assert "the data's items change from one read to the next" in message, message
-    assert "distributed.seeded_dataset(data, seed)" in message, message
+    assert "seeded_dataset(data, seed)" in message, message
 
 
 def test_dropout_inside_a_transformer_block_is_named():

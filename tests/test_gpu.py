@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import distributed
+from seeded_dataset import seeded_dataset
+from sync_batchnorm import sync_batchnorm
 from harness import MIN_DDP, SCRIPTS, assert_bitwise_equal, leftover_processes, run
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -205,14 +207,14 @@ def test_seeded_dataset_leaves_the_training_loops_cuda_generator_alone():
 
     torch.cuda.manual_seed(5)
     before = torch.cuda.get_rng_state()
-    data = distributed.seeded_dataset(Noise(), seed=1)
+    data = seeded_dataset(Noise(), seed=1)
     [data[i] for i in range(4)]
     assert torch.equal(torch.cuda.get_rng_state(), before), "reading items moved the CUDA generator"
 
 
 def test_sync_batchnorm_on_a_gpu_is_torchs_own_syncbatchnorm():
     """On a GPU, sync_batchnorm hands the layers to torch's SyncBatchNorm (its CUDA kernels, nothing of ours)."""
-    model = distributed.sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).cuda())
+    model = sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).cuda())
     assert type(model[1]) is nn.SyncBatchNorm
     model(torch.randn(8, 4, device="cuda")).sum().backward()
     assert model[1].weight.grad is not None and model[1].num_batches_tracked.item() == 1

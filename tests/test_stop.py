@@ -9,7 +9,6 @@ itself (``STOP_AT``), as a scheduler's signal reaching one process of a job woul
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import re
 import shutil
@@ -27,7 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import checkpointer
 import conftest
 import distributed
-from harness import (HERE, MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_every_process,
+from harness import (MIN_DDP, SCRIPTS, assert_bitwise_equal, finish, run, run_min_ddp, signal_every_process,
                      signal_once_printed, start, start_ranks, wait_for_job)
 
 
@@ -510,22 +509,6 @@ def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------
-
-
-def test_checkpointer_py_reads_only_public_names_and_distributed_py_not_it():
-    """The two files meet through distributed.py's public names (``__all__``) alone, so each can be read,
-    copied and changed on its own; distributed.py, copied alone, never imports checkpointer.py."""
-    tree = ast.parse(Path(HERE, "checkpointer.py").read_text())
-    used = {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "distributed"}
-    used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "distributed"
-             for alias in node.names}
-    assert used and used <= set(distributed.__all__), f"not public in distributed.py: {used - set(distributed.__all__)}"
-    imports = {node.module for node in ast.walk(ast.parse(Path(HERE, "distributed.py").read_text()))
-               if isinstance(node, ast.ImportFrom)}
-    imports |= {alias.name for node in ast.walk(ast.parse(Path(HERE, "distributed.py").read_text()))
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    assert not {name for name in imports if "checkpointer" in name}
 
 
 @pytest.mark.slow

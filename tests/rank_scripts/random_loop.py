@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 import distributed
 from checkpointer import Checkpointer
 from shared_memory_allreduce import shared_memory_allreduce
+from seeded_dataset import seeded_dataset
 
 SAMPLES, FEATURES = 256, 8
 
@@ -77,9 +78,9 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     # 2**18 overflows float16's gradients at first: steps are skipped, and the scale moves during the run
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**18, growth_interval=3, enabled=args.amp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    data = Augmented() if args.augment == "global" else distributed.seeded_dataset(Augmented(), seed=3)
+    data = Augmented() if args.augment == "global" else seeded_dataset(Augmented(), seed=3)
     if args.augment == "numpy-and-owned":
-        data = distributed.seeded_dataset(NumpyAndOwned(), seed=3)
+        data = seeded_dataset(NumpyAndOwned(), seed=3)
     sampler = distributed.data_sampler(data, True, shuffle=True, seed=1)
     loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.persistent)
@@ -103,19 +104,20 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
                     x, y = x.float(), y.float()
                 rows = torch.cat([indices.double().unsqueeze(1), x], 1)
                 gathered = distributed.all_gather(rows)  # same shape on every rank: equal batches
-                syncing = (i + 1) % args.accum == 0 or i + 1 == batches  # an epoch's last group may be short
-                group = min(args.accum, batches - i // args.accum * args.accum)
-                with ddp.no_sync() if isinstance(ddp, DDP) and not syncing else contextlib.nullcontext():
+                group_start = i - i % args.accum  # this batch's accumulation group: its first batch,
+                group = min(args.accum, batches - group_start)  # its size (an epoch's last may be short),
+                last_of_group = i + 1 == group_start + group  # and whether this batch ends it
+                with ddp.no_sync() if isinstance(ddp, DDP) and not last_of_group else contextlib.nullcontext():
                     with torch.autocast(device.type, torch.float16, enabled=args.amp):
                         loss = F.mse_loss(ddp(x), y) / group
                     scaler.scale(loss).backward()
                 step = ckpt.steps + 1
                 signals = distributed.get_rank() == min(1, world_size - 1)
-                if signals and args.stop_mid_group and not syncing and steps_here + 1 == args.stop:
+                if signals and args.stop_mid_group and not last_of_group and steps_here + 1 == args.stop:
                     os.kill(os.getpid(), signal.SIGUSR1)  # the stop comes at the end of this step's group
                 everything = gathered.flatten(0, 1)
                 trained[step] = torch.cat([trained.get(step, everything[:0]), everything])
-                if syncing:
+                if last_of_group:
                     if args.amp:
                         scales[step] = torch.tensor([scaler.get_scale(), scaler.state_dict()["_growth_tracker"]])
                         scaler.unscale_(optimizer)
