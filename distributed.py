@@ -36,19 +36,12 @@ This file alone launches, joins the group, shards the data and runs the collecti
 SIGUSR1, SIGUSR2) is forwarded to the ranks and ends them. Standard library and torch (2.8 or newer) only; no
 module-level state.
 
-The rule of its shape: what runs without being called by name (which launcher started the process, the start's
-checks, the supervisor of launch()'s processes, the failure and hang reports) is here. What a script opts into by
-calling it by name lives in a file beside this one, which uses only this file's public names and which this file
-never imports: checkpointer.py (the ranks save and the job resumes exactly), seeded_dataset.py (augmentation
-that is the same at any world size), sync_batchnorm.py (BatchNorm on the global batch), ddp_check.py (check your
-model under DDP), shared_memory_allreduce.py (CPU ranks on one host).
-
-The map, in file order. Public, what a script calls: Launching, The process group, Data, Collectives,
-Checkpoints, Models. Public, for the files beside this one: Starting ranks without launch()'s wait, Stops,
-Checkpoints: what a snapshot may hold. Internals, in the same order: which launcher started this process, the
-process group, the start (ranks meet, and say why when they cannot), data, collectives, checkpoints. Last, the
-supervisor of the processes launch() starts: the job directory, the lifecycle, the stop signals, the failure
-report, the hang report.
+The rule: what runs without being called by name (launcher detection, the start's checks, the supervisor, the
+reports) is here; what a script opts into by name lives in a file beside this one that uses only this file's
+public names and that this file never imports: checkpointer.py (exact resume, clean stops), seeded_dataset.py,
+sync_batchnorm.py, ddp_check.py, shared_memory_allreduce.py. The map of its banners: what a script calls
+(Launching ... Models); what the files beside it use; the internals in the same order; last, the supervisor of
+launch()'s processes and its reports.
 """
 from __future__ import annotations
 
@@ -392,15 +385,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-# Opt-in helpers that moved to files of their own beside this one: an old script's call names its new import.
-_MOVED = {"seeded_dataset": "seeded_dataset", "sync_batchnorm": "sync_batchnorm"}
-
-
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"distributed.{name} moved to {_MOVED[name]}.py, an optional file beside distributed.py: "
-                             f"copy it next to your script and write `from {_MOVED[name]} import {name}`, then call "
-                             f"{name}(...) instead of distributed.{name}(...)")
+    if name in ("seeded_dataset", "sync_batchnorm"):  # opt-in helpers, moved to files of their own beside this one
+        raise AttributeError(f"distributed.{name} moved to {name}.py, an optional file beside distributed.py: copy it "
+                             f"next to your script, write `from {name} import {name}` and call {name}(...)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

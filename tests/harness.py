@@ -310,7 +310,8 @@ def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = 
     """The one way a test starts a process: ``command`` in ``cwd``, ``env`` added to this process's environment (a
     None value removes that variable), stdout and stderr captured as text; wait for it with finish() or at_once().
     `python script.py` and `python -m module` come forked from a process that imported torch already where that is
-    what a fresh interpreter would be (forked_python.py), and as a fresh interpreter elsewhere.
+    what a fresh interpreter would be (forked_python.py), and as a fresh interpreter elsewhere or under
+    DDP_TESTS_FRESH_PYTHON=1.
     ``own_session``: a session and process group of its own, with SIGINT's default disposition, for a process the
     test signals (a suite started with SIGINT ignored, `nohup python -m pytest &` or some CI runners, would pass
     that on and the child would not stop). ``popen``: what subprocess.Popen takes besides (stdin, stdout to a
@@ -321,9 +322,11 @@ def start(command: list[str], cwd: str | os.PathLike = HERE, env: dict | None = 
     command = [os.fspath(part) for part in command]
     if command[:2] == [sys.executable, str(MIN_DDP)]:  # the driver's exec, done here: one process fewer
         command, environ = _min_ddp_driver()(command[2:], environ)
-    forked = forked_python.start(command, cwd, environ, own_session, **popen)
-    if forked is not None:
-        return forked
+    # DDP_TESTS_FRESH_PYTHON=1 (CI's second pass): every process a fresh interpreter: forks are never the only proof.
+    if os.environ.get("DDP_TESTS_FRESH_PYTHON") != "1":
+        forked = forked_python.start(command, cwd, environ, own_session, **popen)
+        if forked is not None:
+            return forked
     if own_session:
         popen.update(start_new_session=True, preexec_fn=_default_sigint)
     return subprocess.Popen(command, cwd=cwd, env=environ, text=True, **popen)
