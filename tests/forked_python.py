@@ -27,7 +27,7 @@ import gc
 import json
 import locale
 import os
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -271,8 +271,12 @@ def _serve(control: socket.socket) -> dict | None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that a child's exit writes to wake_write
     children: dict[int, socket.socket] = {}
+    # A selector, not select(): the descriptors come from a pytest worker that may hold over 1,024 of them.
+    waiting = selectors.DefaultSelector()
+    waiting.register(control, selectors.EVENT_READ)
+    waiting.register(wake_read, selectors.EVENT_READ)
     while True:
-        ready, _, _ = select.select([control, wake_read], [], [])
+        ready = [key.fileobj for key, _ in waiting.select()]
         if wake_read in ready:
             os.read(wake_read, 4096)
         while children:  # reap every child that has exited
