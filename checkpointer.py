@@ -13,6 +13,30 @@ on every rank at the same step and exits 128 + the signal; the same command then
 distributed.py's launcher forwards those signals and takes that exit as a stop, not a failure; without this file
 the signals simply end the job. It uses only distributed.py's public names and torch.
 
+An iteration loop (nanoGPT's shape) passes ``batch_size`` and keeps its own counters in ``state``:
+
+    state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
+    ckpt = Checkpointer("ckpt.pt", model, optimizer, batch_size=batch_size, state=state)
+    for iter_num in ckpt.iterations(max_iters):  # from the snapshot's step; saves after the last
+        ...; optimizer.step(); scheduler.step()
+        ckpt.step()                     # the iteration's last statement
+
+What is exact. Bitwise as if never stopped, at the same number of processes: every generator the loop draws
+from in the ranks (torch's CPU and CUDA generators: dropout, augmentation with num_workers=0; Python's random and
+numpy's global generator, where the process imported numpy: a mixup's np.random.beta; a torch.Generator in
+``state``), with accumulation; with loader workers, when the dataset is seeded_dataset's (seeded_dataset.py). On GPUs also only
+with deterministic kernels. From 3 processes on, also only where the gradient sum does not depend on DDP's bucket
+layout, which a resumed DDP's first step changes (shared_memory_allreduce, or find_unused_parameters=True); on
+plain gloo or NCCL that step rounds differently and the run goes on within rounding. At another number of
+processes: the same samples in every step, within float rounding; a rank the snapshot had keeps its generators, a
+new rank gets its own, so dropout cannot match, nor plain BatchNorm's statistics (sync_batchnorm.py keeps them).
+Training meters restart at a mid-epoch resume unless their sums live in ``state`` (as min_ddp keeps them).
+
+While the primary writes, the other ranks wait in a collective: a save longer than init_process_group's
+``timeout`` (5 minutes by default) ends them; pass a ``timeout=`` above your longest save. A resume maps the
+snapshot (load_checkpoint), so the ranks of a node share its pages. Messages give the position as counts of work
+done: "stopped by SIGUSR1 after 1 epoch and 3 steps" is ``epoch == 1`` and ``epoch_steps == 3``.
+
 On a cluster, ask for the time limit's warning and a requeue, and signal the launcher, not a rank (torchrun's
 agent forwards USR1/USR2 only with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2, which
 came in torch 2.10: with older torch, start the ranks with srun itself, as below):
@@ -31,6 +55,7 @@ import io
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -49,70 +74,29 @@ __all__ = ["Checkpointer", "Stopped", "handle_stop_signals", "stop_requested", "
 
 
 class Checkpointer:
-    """Exact resume and clean stops for your own loop. Construct it on every rank once the group, the
-    model and the optimizer exist (before DDP wraps the model), and call ``step()`` after every
-    optimizer step, on every rank::
+    """Exact resume and clean stops for your own loop (the module docstring gives both loop shapes and the rules).
 
-        ckpt = Checkpointer("run.pt", model, optimizer, loader=loader, settings={"lr": lr})
-        for epoch in ckpt.epochs(10):       # from the snapshot's epoch, mid-epoch where it stopped
-            for x, y in loader:             # the sampler's epoch and the samples already done: set
-                ...; optimizer.step()
-                ckpt.step()
-
-        state = {"best_val_loss": 1e9, "scheduler": scheduler}  # restored in place; no epochs, no sampler
-        ckpt = Checkpointer("ckpt.pt", model, optimizer, batch_size=batch_size, state=state)
-        for iter_num in ckpt.iterations(max_iters):  # from the snapshot's step; saves after the last
-            ...; optimizer.step(); scheduler.step()
-            ckpt.step()                     # the iteration's last statement
-
-    Construct it after the model is on its device and the optimizer and any LR scheduler exist (their state is
-    restored into them), and before DDP wraps the model (DDP broadcasts rank 0's weights as it wraps: they must be
-    the restored ones). Construction: if ``path`` exists every rank loads it (weights_only); all ranks must find the
-    same snapshot (on a file system every node sees), else every rank fails. A snapshot whose ``settings`` (what
-    defines the run: seed, learning rate...) differ (one given on only one side included) is refused, naming each
-    difference. It restores the model, the optimizer, every rank's CPU and CUDA RNG, the position and ``state``
-    (numbers, tensors, dicts and lists of them, objects with ``state_dict()`` and ``load_state_dict()`` such as an
-    LR scheduler or a GradScaler; each rank its own, at another world size rank 0's), and gives a loader without a
-    ``generator`` one of its own (its iterator then draws nothing from the global generator). Then it calls
+    Construct it on every rank after init_process_group, once the model is on its device and the optimizer and any
+    LR scheduler exist, and before DDP wraps the model (DDP broadcasts rank 0's weights: the restored ones). If
+    ``path`` exists every rank loads it (weights_only), and all must find the same snapshot; one whose ``settings``
+    (what defines the run: seed, learning rate...) differ is refused, naming each difference. It restores the
+    model, the optimizer, every rank's generators, the position and ``state`` (numbers, tensors, dicts and lists
+    of them, objects with ``state_dict()``/``load_state_dict()``: an LR scheduler, a GradScaler; each rank its own,
+    at another world size rank 0's), gives a loader without a ``generator`` one of its own, and calls
     ``handle_stop_signals()``.
 
-    ``epochs(n)`` and ``iterations(n)`` snapshot at every epoch's end and after the last step. ``step()``: a
-    snapshot every ``save_every`` steps (0: none) and, so that a hard kill (OOM, a lost node) loses at most that
-    much work, every ``save_interval`` seconds (0: none); about once a second (or every ``check_every`` steps)
-    one all-reduce asks whether any rank got a stop signal, timing the steps to agree on the next check: then
-    every rank saves this step, the primary requeues the job (under SLURM, for the time limit's warning
-    USR1/USR2 only, not SIGTERM which scancel sends too, after progress, at most ``max_requeues`` times), and
-    every rank raises Stopped (exit 128 + the signal, 75 if the requeue failed). While the primary writes, the
-    other ranks wait in a collective: a save longer than init_process_group's ``timeout`` (5 minutes by default)
-    ends them. A 48-GB snapshot at 150 MB/s takes 5.5 minutes: pass ``timeout=`` above your longest save. A
-    resume maps the snapshot (load_checkpoint), so the ranks of a node share its pages.
-
-    The global batch, ``batch_size`` (``loader.batch_size`` for an epoch loop; an iteration loop must pass it: the
-    samples each rank trains on per micro-batch) x ``grad_accum`` x processes, is in the snapshot: an iteration
-    loop, or an epoch loop stopped mid-epoch, resumes only with the same one (at any number of processes that
-    keeps it); at an epoch's end any may.
+    ``epochs(n)`` and ``iterations(n)`` snapshot at every epoch's end and after the last step. ``step()``, after
+    every optimizer step on every rank: a snapshot every ``save_every`` steps of the run and every
+    ``save_interval`` seconds (0: none), so that a hard kill loses at most that much work; about once a second (or
+    every ``check_every`` steps) one all-reduce asks whether any rank got a stop signal: then every rank saves this
+    step, the primary requeues the job (under SLURM, for USR1/USR2, after progress, at most ``max_requeues``
+    times) and every rank raises Stopped. ``batch_size`` (the loader's for an epoch loop) x ``grad_accum`` x
+    processes, the global batch, is in the snapshot: a resume mid-epoch keeps it.
 
     Attributes: ``epoch`` (the epoch in progress, from 0), ``steps`` (optimizer steps in the whole run) and
-    ``epoch_steps`` (optimizer steps in this epoch so far).
-
-    Bitwise as if never stopped, at the same number of processes: every generator the loop draws from in the
-    ranks (dropout on CPU and CUDA, augmentation with ``num_workers=0``, a torch.Generator in ``state``), with
-    accumulation; with loader workers, only when the dataset is ``distributed.seeded_dataset``'s. On GPUs also
-    only with deterministic kernels. From 3 processes on, also only where the gradient sum does not depend on
-    DDP's bucket layout, which a resumed DDP's first step changes: with shared_memory_allreduce, or with
-    ``DDP(model, find_unused_parameters=True)`` (no rebuild); on plain gloo or NCCL that step rounds
-    differently (about 3e-17 in float64, 1.5e-8 in float32) and the run goes on within rounding.
-    At another number of processes: the same samples in every step, within
-    float rounding; each rank the snapshot had keeps its generators, a new rank gets its own (derived from the
-    snapshot and its rank), so dropout cannot match, nor BatchNorm's statistics, which each process computes on its
-    own batches (a resnet18's running_var moved by 88 from 2 to 1 process): synchronized BatchNorm keeps them.
-
-    A number in ``state`` (a best accuracy, a counter) is restored into the dict, not into your variable: read it
-    back after construction (``best = state["best"]``) and write it before each save (``state["best"] = best``).
-    Training meters restart at a mid-epoch resume unless their sums live in ``state`` (as min_ddp keeps its
-    unlogged loss and accuracy sums): then the epoch's averages cover every step, not only those since the resume.
-    Messages give the position as counts of work done, as the attributes hold it: "stopped by SIGUSR1 after 1 epoch
-    and 3 steps" is ``epoch == 1`` (the second epoch, as ``range()`` counts) and ``epoch_steps == 3``.
+    ``epoch_steps`` (in this epoch so far). A per-step cadence of your own (an EMA every k steps) counts ``steps``,
+    not ``enumerate(loader)``, which restarts at 0 after a mid-epoch resume. A number in ``state`` is restored into
+    the dict, not into your variable: read it back after construction and write it before each save.
     """
 
     def __init__(self, path: str | os.PathLike | None, model: torch.nn.Module,
@@ -171,7 +155,7 @@ class Checkpointer:
                                  f"batch_size={getattr(self.loader, 'batch_size', None)})")
             elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
                 sampler.set_epoch(self.epoch)
-            if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):  # distributed.seeded_dataset's
+            if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):  # seeded_dataset's, whatever sampler
                 self.loader.dataset.set_epoch(self.epoch)
             if self.epoch_steps:  # the epoch's iterator draws as it did when the epoch began
                 self.loader.generator.set_state(self._loader_rng)
@@ -231,7 +215,7 @@ class Checkpointer:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state()
         ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda, "loader_rng": self._loader_rng,
-                                    "state": _state_dicts(self.state)})
+                                    **_host_generators(), "state": _state_dicts(self.state)})
         self._saved_at = time.monotonic()
         distributed.save_checkpoint({"model": self.model.state_dict(),
                                      "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -535,19 +519,43 @@ def _restored(current: Any, saved: Any) -> Any:
 
 
 def _restore_rngs(ranks: list[dict], rank: int) -> None:
-    """This rank's CPU and CUDA generators as the snapshot holds them. At another world size a rank the
-    snapshot had keeps its own; a new rank gets a state of its own, derived from the snapshot and its rank
-    (rank 0's for every rank would give them all the same random batches)."""
+    """This rank's generators (torch's CPU and CUDA, Python's, numpy's) as the snapshot holds them. At another
+    world size a rank the snapshot had keeps its own; a new rank gets states of its own, derived from the snapshot
+    and its rank (rank 0's for every rank would give them all the same random batches)."""
     saved = ranks[rank] if rank < len(ranks) else None
+    numpy = sys.modules.get("numpy")  # restored where the process has it, never imported: numpy stays optional
     if saved is not None:
         torch.set_rng_state(saved["rng"])
         if saved["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(saved["cuda_rng"])
+        if saved.get("python_rng") is not None:  # snapshots before these were saved have neither
+            random.setstate((3, tuple(saved["python_rng"].tolist()), saved["python_gauss"]))
+        if saved.get("numpy_rng") is not None and numpy is not None:
+            keys, position, has_gauss, gauss = saved["numpy_rng"]
+            numpy.random.set_state(("MT19937", numpy.array(keys.tolist(), dtype=numpy.uint32), position, has_gauss,
+                                    gauss))
         return
     base = ranks[rank % len(ranks)]["rng"]
     seed = int.from_bytes(hashlib.blake2b(bytes(base.tolist()) + rank.to_bytes(8, "little"),
                                           digest_size=8).digest(), "little") >> 1
     torch.manual_seed(seed)  # the CUDA generators too
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed & 0xFFFFFFFF)
+
+
+def _host_generators() -> dict[str, Any]:
+    """This rank's Python ``random`` and (where the process has imported it) numpy's global generator, as a
+    snapshot holds them: a loop's mixup (np.random.beta) or RandomChoice draws from them in the rank."""
+    version, keys, gauss = random.getstate()
+    state = {"python_rng": torch.tensor(keys, dtype=torch.int64), "python_gauss": gauss, "numpy_rng": None}
+    numpy = sys.modules.get("numpy")
+    legacy = numpy.random.get_state() if numpy is not None else None
+    if isinstance(legacy, tuple) and legacy[0] == "MT19937":  # not another bit generator seated in its place
+        _, keys, position, has_gauss, gauss = legacy
+        state["numpy_rng"] = (torch.tensor(keys.tolist(), dtype=torch.int64), int(position), int(has_gauss),
+                              float(gauss))
+    return state
 
 
 def _check_resumable(path: str, saved: dict, settings: dict, global_batch: int) -> None:

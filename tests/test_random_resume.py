@@ -90,6 +90,19 @@ def test_numpy_and_an_owned_generator_in_workers_resume_bitwise(tmp_path):
     assert_bitwise_equal(model, expected_model, "final model")
 
 
+@pytest.mark.slow
+def test_loop_draws_from_python_and_numpy_generators_resume_bitwise(tmp_path):
+    """A loop that draws in the rank's main process from Python's random (a sign flip, as RandomChoice or a cutmix
+    draws) and, where numpy is installed, from numpy's global generator (a mixup's np.random.beta), each seeded per
+    rank at the start: stopped mid-epoch at world 2 and resumed, every step trains on the uninterrupted run's
+    inputs and the weights are bitwise its. Before, the Checkpointer saved only torch's generators: the resumed
+    run drew other flips (and mixes) from the seed the script set again at its start."""
+    steps, model = stop_and_resume(tmp_path, ["--loop-draws"])
+    expected_steps, expected_model = trained(tmp_path, "straight.pt")
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    assert_bitwise_equal(model, expected_model, "final model")
+
+
 # 3 micro-batches of 8 per step at world 2 (global batch 48): 16 batches a rank an epoch, so 5 steps and a
 # short last one of 1 micro-batch; the stop signal comes during step 3's group, the stop after it.
 SEEDED = ["--augment", "seeded", "--workers", "2", "--accum", "3"]

@@ -3,7 +3,7 @@ test_gpu.py):
 
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded|numpy-and-owned]
                           [--workers K] [--persistent] [--accum K] [--stop-mid-group]
-                          [--ddp plain|find-unused|shared-memory] [--amp]
+                          [--ddp plain|find-unused|shared-memory] [--amp] [--loop-draws]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
@@ -12,7 +12,8 @@ numpy-and-owned draws from numpy's global generator and one the dataset owns (se
 model may have dropout (on the GPU where one is visible). --amp trains as mixed precision does: a float32 model
 under float16 autocast, a GradScaler (kept in the Checkpointer's state) whose scale backs off at an overflow and
 grows after 3 good steps, the gradients unscaled and clipped before its step. Rank 1 (alone: rank 0) signals
-itself (SIGUSR1) after the STOP-th optimizer step of this run (0: never).
+itself (SIGUSR1) after the STOP-th optimizer step of this run (0: never). --loop-draws draws in the rank's loop from
+Python's random (a sign flip) and, where numpy is installed, numpy's global generator (a mixup's np.random.beta).
 OUT gets the final weights and, per global step, what that step trained on: every rank's (index, input) rows,
 sorted by index (rank 0 gathers them), so runs at different world sizes compare step by step; with --amp,
 OUT.scales the GradScaler's scale and growth tracker as each step began.
@@ -20,6 +21,7 @@ OUT.scales the GradScaler's scale and growth tracker as each step began.
 import argparse
 import contextlib
 import os
+import random
 import signal
 
 import torch
@@ -85,6 +87,12 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.persistent)
     torch.manual_seed(1234 + distributed.get_rank())  # dropout masks of each rank's own
+    numpy = None
+    if args.loop_draws:  # a mixup drawn from numpy's global generator and a flip from Python's, in the loop
+        random.seed(99 + distributed.get_rank())
+        with contextlib.suppress(ImportError):
+            import numpy
+            numpy.random.seed(77 + distributed.get_rank())
     trained, scales = {}, {}
     try:
         ckpt = Checkpointer(args.snapshot, model, optimizer, loader=loader, grad_accum=args.accum,
@@ -102,6 +110,10 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
                 indices, x, y = indices.to(device), x.to(device), y.to(device)
                 if args.amp:
                     x, y = x.float(), y.float()
+                if args.loop_draws:
+                    lam = float(numpy.random.beta(0.4, 0.4)) if numpy is not None else 1.0
+                    x = lam * x + (1 - lam) * x.flip(0)  # the mixup many loops draw with np.random.beta
+                    x = -x if random.random() < 0.5 else x  # a flip from Python's random (RandomChoice, cutmix)
                 rows = torch.cat([indices.double().unsqueeze(1), x], 1)
                 gathered = distributed.all_gather(rows)  # same shape on every rank: equal batches
                 group_start = i - i % args.accum  # this batch's accumulation group: its first batch,
@@ -158,6 +170,8 @@ def main() -> None:
     p.add_argument("--ddp", choices=["plain", "find-unused", "shared-memory"], default="plain",
                    help="DDP(model); with find_unused_parameters=True; with shared_memory_allreduce")
     p.add_argument("--amp", action="store_true", help="float16 autocast, a GradScaler, clipping")
+    p.add_argument("--loop-draws", action="store_true",
+                   help="in the loop: a mixup from np.random.beta (where numpy is installed), a flip from random")
     args = p.parse_args()
     distributed.launch(worker, args, nprocs=args.nprocs)
 
