@@ -24,13 +24,16 @@ An iteration loop (nanoGPT's shape) passes ``batch_size`` and keeps its own coun
 What is exact. Bitwise as if never stopped, at the same number of processes: every generator the loop draws
 from in the ranks (torch's CPU and CUDA generators: dropout, augmentation with num_workers=0; Python's random and
 numpy's global generator, where the process imported numpy: a mixup's np.random.beta; a torch.Generator in
-``state``), with accumulation; with loader workers, when the dataset is seeded_dataset's (seeded_dataset.py). On GPUs also only
-with deterministic kernels. From 3 processes on, also only where the gradient sum does not depend on DDP's bucket
-layout, which a resumed DDP's first step changes (shared_memory_allreduce, or find_unused_parameters=True); on
-plain gloo or NCCL that step rounds differently and the run goes on within rounding. At another number of
-processes: the same samples in every step, within float rounding; a rank the snapshot had keeps its generators, a
-new rank gets its own, so dropout cannot match, nor plain BatchNorm's statistics (sync_batchnorm.py keeps them).
-Training meters restart at a mid-epoch resume unless their sums live in ``state`` (as min_ddp keeps them).
+``state``), with accumulation; with loader workers, when the dataset is seeded_dataset's (seeded_dataset.py). On
+GPUs also only with deterministic kernels. From 3 processes on, also only where the gradient sum does not depend
+on DDP's bucket layout, which a resumed DDP's first step changes (shared_memory_allreduce, or
+find_unused_parameters=True); on plain gloo or NCCL that step rounds differently and the run goes on within
+rounding. At another number of processes: the same samples in every step, within float rounding; a rank the
+snapshot had keeps its generators, a new rank gets its own, so dropout cannot match, nor plain BatchNorm's
+statistics (sync_batchnorm.py keeps them). Training meters restart at a mid-epoch resume unless their sums live in
+``state`` (as min_ddp keeps them). A mid-epoch resume starts the loader's sampler after the samples done:
+data_sampler's, or any sampler whose order depends only on set_epoch (torch's DistributedSampler, a
+repeated-augmentation sampler); a sampler that draws a new order at every pass is refused at construction.
 
 While the primary writes, the other ranks wait in a collective: a save longer than init_process_group's
 ``timeout`` (5 minutes by default) ends them; pass a ``timeout=`` above your longest save. A resume maps the
@@ -52,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import itertools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -122,6 +126,8 @@ class Checkpointer:
         # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
         distributed.check_weights_only(self.settings, "Checkpointer: settings")
         distributed.check_weights_only(_state_dicts(self.state), "Checkpointer: state")
+        if self._per_step and (sampler := _loader_sampler(loader)) is not None:
+            _resumable(sampler, refuse_random=bool(self.path))  # a mid-epoch snapshot must resume
         # iter(loader) draws the workers' base seed from loader.generator, else from the global generator: a
         # resume that starts an epoch's iterator mid-epoch would shift every later draw (dropout, augmentation).
         if loader is not None and getattr(loader, "generator", False) is None:
@@ -138,22 +144,22 @@ class Checkpointer:
         handle_stop_signals()
 
     def epochs(self, epochs: int) -> Iterator[int]:
-        """The epochs left to train. For each, it calls the loader's ``sampler.set_epoch`` (a new shuffle), with
-        ``skip=`` the samples already done when the snapshot stopped mid-epoch; then, at its end, saves."""
-        sampler = getattr(self.loader, "sampler", None)
-        if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
-            sampler = getattr(getattr(self.loader, "batch_sampler", None), "sampler", sampler)
-        skippable = hasattr(sampler, "set_epoch") and "skip" in inspect.signature(sampler.set_epoch).parameters
+        """The epochs left to train. For each, it calls the loader's ``sampler.set_epoch`` (a new shuffle) and, when
+        the snapshot stopped mid-epoch, starts the sampler's order after the samples already done (their indices
+        are skipped, nothing is loaded); then, at its end, saves."""
+        sampler = _loader_sampler(self.loader)
         for epoch in range(self.epoch, epochs):
             self.epoch = epoch
-            if skippable and self._per_step:  # distributed.data_sampler's
-                sampler.set_epoch(self.epoch, skip=min(self.epoch_steps * self._per_step, sampler.num_samples))
+            done = self.epoch_steps * self._per_step
+            if hasattr(sampler, "_start_at"):
+                sampler._start_at(self.epoch, done)
             elif self.epoch_steps:  # else the rest of the epoch would silently start over
-                raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only loader=DataLoader(data, "
-                                 "batch_size=..., sampler=distributed.data_sampler(...)) can start there (got: "
+                raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only a loader with a sampler and "
+                                 "a batch size can start there, e.g. loader=DataLoader(data, batch_size=..., "
+                                 "sampler=distributed.data_sampler(...)) (got: "
                                  f"loader={type(self.loader).__name__}, sampler={type(sampler).__name__}, "
                                  f"batch_size={getattr(self.loader, 'batch_size', None)})")
-            elif hasattr(sampler, "set_epoch"):  # torch's DistributedSampler, one inside a batch_sampler
+            elif hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):  # seeded_dataset's, whatever sampler
                 self.loader.dataset.set_epoch(self.epoch)
@@ -352,8 +358,9 @@ def _checked_arguments(path: str | os.PathLike | None, loader: Any, batch_size: 
                        save_every: int, save_interval: float, check_every: int | None, max_requeues: int) -> int | None:
     """The Checkpointer's arguments checked, each error naming the value and the fix; returns the batch size
     (the loader's when not given)."""
-    if batch_size is None:
-        batch_size = getattr(loader, "batch_size", None)
+    if batch_size is None:  # DataLoader(batch_sampler=BatchSampler(sampler, batch_size, ...)) keeps it there
+        batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None),
+                                                                    "batch_size", None)
     limits = {"grad_accum": (grad_accum, 1), "save_every": (save_every, 0), "check_every": (check_every, 1),
               "max_requeues": (max_requeues, 0), "batch_size": (batch_size, 1)}
     for name, (value, low) in limits.items():
@@ -376,6 +383,71 @@ def _checked_arguments(path: str | os.PathLike | None, loader: Any, batch_size: 
         raise RuntimeError("Checkpointer: no process group yet; construct it after "
                            "distributed.init_process_group()")
     return batch_size
+
+
+def _loader_sampler(loader: Any) -> Any:
+    """The sampler whose indices a loader batches: its ``sampler``, or the one inside its ``batch_sampler``."""
+    sampler = getattr(loader, "sampler", None)
+    if not hasattr(sampler, "set_epoch"):  # DataLoader(batch_sampler=...): the sampler it batches
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", sampler)
+    return sampler
+
+
+def _resumable(sampler: Any, refuse_random: bool) -> None:
+    """Let a Checkpointer start a loader's sampler mid-epoch, the first ``done`` indices of its epoch's order skipped
+    (never loaded): its class is swapped, on this one object, for a subclass with ``_start_at(epoch, done)``.
+    distributed.data_sampler's skips itself (set_epoch's ``skip``); any other sampler must give one order per
+    epoch (torch's DistributedSampler, a repeated-augmentation sampler); one that draws a new order at every pass
+    is refused where there are snapshots to resume."""
+    if hasattr(sampler, "_start_at"):
+        return
+    cls = type(sampler)
+    skips = "skip" in inspect.signature(getattr(sampler, "set_epoch", lambda: None)).parameters
+    if not skips and not _deterministic(sampler):
+        if not refuse_random:  # no snapshot path: nothing to resume
+            return
+        raise ValueError(f"Checkpointer: the loader's sampler ({cls.__name__}) draws a new order at every pass, so a "
+                         "snapshot saved mid-epoch (at a stop signal) could not resume where it stopped. Use "
+                         "sampler=distributed.data_sampler(data, shuffle=True), or give your sampler an order that "
+                         "depends only on set_epoch(epoch) (a generator seeded from seed + epoch in __iter__)")
+
+    def _start_at(self: Any, epoch: int, done: int) -> None:
+        if skips:
+            cls.set_epoch(self, epoch, skip=min(done, self.num_samples))
+            return
+        if hasattr(cls, "set_epoch"):
+            cls.set_epoch(self, epoch)
+        self.skip = min(done, cls.__len__(self))
+
+    def __iter__(self: Any) -> Iterator[int]:
+        return itertools.islice(cls.__iter__(self), getattr(self, "skip", 0) if not skips else 0, None)
+
+    def __len__(self: Any) -> int:
+        return cls.__len__(self) - (getattr(self, "skip", 0) if not skips else 0)
+
+    body = {"__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_start_at": _start_at,
+            "__iter__": __iter__, "__len__": __len__}
+    sampler.__class__ = type(cls.__name__, (cls,), body)
+
+
+def _deterministic(sampler: Any) -> bool:
+    """Whether two passes over the sampler's epoch-0 order agree (the first indices, enough to tell a fresh draw).
+    The process's generators are left as they were: a sampler drawing from the global one must not shift it."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        passes = []
+        for _ in range(2):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(0)
+            passes.append(list(itertools.islice(iter(sampler), 4096)))
+        return passes[0] == passes[1]
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def _agree(*values: float) -> tuple[signal.Signals | None, list[float]]:

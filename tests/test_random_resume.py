@@ -103,6 +103,20 @@ def test_loop_draws_from_python_and_numpy_generators_resume_bitwise(tmp_path):
     assert_bitwise_equal(model, expected_model, "final model")
 
 
+@pytest.mark.slow
+def test_a_sampler_of_the_users_own_resumes_mid_epoch_bitwise(tmp_path):
+    """A repeated-augmentation sampler of the script's own (each index 3 times an epoch, its order a function of
+    set_epoch, no skip of its own), seeded augmentation in 2 loader workers, stopped mid-epoch at world 2: the
+    resumed run starts the sampler's order after the samples done, every step trains on the uninterrupted run's
+    samples and the weights are bitwise its. Before, the Checkpointer saved the mid-epoch snapshot and then refused
+    to start from it."""
+    steps, model = stop_and_resume(tmp_path, ["--augment", "seeded", "--workers", "2", "--sampler", "repeated"])
+    expected_steps, expected_model = trained(tmp_path, "straight.pt")
+    assert sorted(steps) == sorted(expected_steps) == list(range(1, 49))  # 384 of 256 x 3 samples a rank, 16 a step
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    assert_bitwise_equal(model, expected_model, "final model")
+
+
 # 3 micro-batches of 8 per step at world 2 (global batch 48): 16 batches a rank an epoch, so 5 steps and a
 # short last one of 1 micro-batch; the stop signal comes during step 3's group, the stop after it.
 SEEDED = ["--augment", "seeded", "--workers", "2", "--accum", "3"]

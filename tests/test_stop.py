@@ -479,15 +479,36 @@ def test_a_gradscaler_resumed_with_another_setting_is_a_settings_error(tmp_path,
                                   state={"scaler": torch.amp.GradScaler("cpu", enabled=resumed)})
 
 
-@pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler"])
-def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
-        tmp_path, wrap, stop_signals_restored):
-    """ckpt.epochs() calls set_epoch on the loader's sampler also when it is torch's own, or batched by a
-    batch_sampler; a mid-epoch snapshot that such a loader, or no loader, cannot continue exactly is refused,
+class EpochOrder(torch.utils.data.Sampler):
+    """A sampler of a user's own, as a repeated-augmentation sampler is written: each index 2 times, in an order
+    drawn from a generator seeded by (seed, epoch); no skip of its own."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch))
+        return iter(order.repeat_interleave(2).tolist())
+
+    def __len__(self) -> int:
+        return 2 * self.n
+
+
+@pytest.mark.parametrize("wrap", ["torch's DistributedSampler", "data_sampler in a batch_sampler", "own sampler"])
+def test_checkpointer_resumes_mid_epoch_with_any_epoch_ordered_sampler(tmp_path, wrap, stop_signals_restored):
+    """ckpt.epochs() calls set_epoch on the loader's sampler also when it is torch's own, batched by a
+    batch_sampler, or the user's own; a mid-epoch snapshot resumes the same epoch's order after the samples done
+    (their indices skipped, nothing loaded), and the next epoch is whole. No loader cannot continue it: refused,
     not silently redone."""
     data = TensorDataset(torch.arange(16))
     if wrap == "torch's DistributedSampler":
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+    elif wrap == "own sampler":
+        sampler = EpochOrder(16)
         loader = DataLoader(data, batch_size=4, sampler=sampler)
     else:
         sampler = distributed.data_sampler(data, True, shuffle=True)
@@ -501,11 +522,27 @@ def test_checkpointer_epochs_reshuffle_with_any_distributed_sampler(
     assert got == expected and expected[0] != expected[1], got
     ckpt.epoch, ckpt.epoch_steps = 1, 2
     ckpt.save()
-    for other in (loader, None):  # no loader: the epoch would start over (or another global batch: refused)
-        with pytest.raises(ValueError, match=r"stopped mid-epoch, and only loader=DataLoader\(.*\(got: loader=|"
-                                             r"stopped after 1 epoch and 2 steps with a global batch"):
-            given = {"loader": other} if other is not None else {"batch_size": 4}
-            next(checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), **given).epochs(3))
+    with pytest.raises(ValueError, match=r"stopped mid-epoch, and only a loader with a sampler and a batch size"):
+        next(checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), batch_size=4).epochs(3))
+    resumed = checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), loader=loader)
+    got = [(epoch, len(loader), torch.cat([x for x, in loader]).tolist()) for epoch in resumed.epochs(3)]
+    rest = expected[1][8:]
+    assert got == [(1, len(rest) // 4, rest), (2, len(expected[2]) // 4, expected[2])], got
+
+
+def test_checkpointer_refuses_a_sampler_that_draws_anew_every_pass(tmp_path, stop_signals_restored):
+    """DataLoader(shuffle=True)'s RandomSampler draws a new order at every pass from the global generator: a
+    snapshot saved mid-epoch could not resume where it stopped, so a Checkpointer with a snapshot path refuses it at
+    construction, naming the fix, and leaves the global generator as it was. Without a path it is accepted."""
+    data = TensorDataset(torch.arange(16))
+    loader, model = DataLoader(data, batch_size=4, shuffle=True), torch.nn.Linear(1, 1)
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"the loader's sampler \(RandomSampler\) draws a new order at every pass.*"
+                                         r"distributed\.data_sampler\(data, shuffle=True\).*set_epoch\(epoch\)"):
+        checkpointer.Checkpointer(tmp_path / "run.pt", model, loader=loader)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not (tmp_path / "run.pt").exists()
+    checkpointer.Checkpointer(None, torch.nn.Linear(1, 1), loader=loader)
 
 
 # --- The sampler that starts mid-epoch ---------------------------------------------------------

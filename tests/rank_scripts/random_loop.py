@@ -4,6 +4,7 @@ test_gpu.py):
     python random_loop.py SNAPSHOT OUT NPROCS BATCH STOP [--dropout P] [--augment global|seeded|numpy-and-owned]
                           [--workers K] [--persistent] [--accum K] [--stop-mid-group]
                           [--ddp plain|find-unused|shared-memory] [--amp] [--loop-draws]
+                          [--sampler data_sampler|repeated]
 
 An epoch loop over distributed.data_sampler, 2 epochs of 256 samples. Each sample gets a random augmentation in
 __getitem__ from torch's global generator (noise and a sign flip, as torchvision's transforms draw), in the rank
@@ -27,7 +28,7 @@ import signal
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 import distributed
 from checkpointer import Checkpointer
@@ -70,6 +71,28 @@ class NumpyAndOwned(Augmented):
         return index, x, self.y[index]
 
 
+class RepeatedAugmentation(Sampler):
+    """A repeated-augmentation sampler as DeiT's recipe and torchvision's references write one (RASampler): each
+    index 3 times in an epoch's shuffled order (seeded by seed + epoch), dealt to the ranks in turn; no skip of its
+    own: the Checkpointer gives it one."""
+
+    def __init__(self, n: int, world: int, rank: int, repeats: int = 3, seed: int = 0):
+        self.n, self.world, self.rank, self.repeats, self.seed, self.epoch = n, world, rank, repeats, seed, 0
+        self.num_samples = -(-n * repeats // world)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        indices = order.repeat_interleave(self.repeats).tolist()
+        indices += indices[:self.num_samples * self.world - len(indices)]
+        return iter(indices[self.rank::self.world])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = distributed.init_process_group(local_rank, world_size)  # a GPU where test_gpu.py runs it
     if device.type == "cuda":
@@ -84,6 +107,8 @@ def worker(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
     if args.augment == "numpy-and-owned":
         data = seeded_dataset(NumpyAndOwned(), seed=3)
     sampler = distributed.data_sampler(data, True, shuffle=True, seed=1)
+    if args.sampler == "repeated":
+        sampler = RepeatedAugmentation(len(data), distributed.get_world_size(), distributed.get_rank(), seed=1)
     loader = DataLoader(data, args.batch, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.persistent)
     torch.manual_seed(1234 + distributed.get_rank())  # dropout masks of each rank's own
@@ -170,6 +195,8 @@ def main() -> None:
     p.add_argument("--ddp", choices=["plain", "find-unused", "shared-memory"], default="plain",
                    help="DDP(model); with find_unused_parameters=True; with shared_memory_allreduce")
     p.add_argument("--amp", action="store_true", help="float16 autocast, a GradScaler, clipping")
+    p.add_argument("--sampler", choices=["data_sampler", "repeated"], default="data_sampler",
+                   help="distributed.data_sampler, or a repeated-augmentation sampler of the script's own")
     p.add_argument("--loop-draws", action="store_true",
                    help="in the loop: a mixup from np.random.beta (where numpy is installed), a flip from random")
     args = p.parse_args()
