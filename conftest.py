@@ -90,6 +90,8 @@ def slurm_unavailable() -> str | None:
 @pytest.fixture(scope="module")
 def slurm():
     reason = slurm_unavailable()
+    if reason and os.environ.get("DDP_SLURM_REQUIRED") == "1":  # .ci/run brought SLURM up: its tests must run
+        pytest.fail(f"DDP_SLURM_REQUIRED=1 but SLURM is not usable: {reason}")
     if reason:
         print(f"\nSKIPPING SLURM TESTS: {reason}")
         pytest.skip(reason)

@@ -417,6 +417,49 @@ def test_a_requeue_answered_before_slurm_ends_scontrol_reads_as_done(tmp_path, m
     assert (tmp_path / "asked").read_text() == "requeue 41\n"
 
 
+@pytest.mark.parametrize("signum, restarts, requeued", [(signal.SIGUSR1, 1, True), (signal.SIGUSR1, 2, False),
+                                                       (signal.SIGTERM, 0, False)],
+                         ids=["warning-after-1-requeue", "warning-after-2-requeues", "scancel"])
+def test_a_stop_requeues_only_at_the_warning_and_below_max_requeues(tmp_path, monkeypatch, stop_signals_restored,
+                                                                   signum, restarts, requeued):
+    """Under SLURM's variables, with a scontrol stand-in that records what it is asked, max_requeues=2: the time
+    limit's warning (USR1) after progress requeues a job SLURM restarted once, not one it restarted twice (2
+    requeues in all); scancel's SIGTERM never requeues (the job was cancelled). Every case saves and stops with
+    128 + the signal. These run wherever the suite does, SLURM up or not."""
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/bash\necho \"$@\" >> asked\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ckpt = checkpointer.Checkpointer(tmp_path / "run.pt", torch.nn.Linear(1, 1), batch_size=1, max_requeues=2,
+                                     check_every=1)
+    os.kill(os.getpid(), signum)  # recorded by the Checkpointer's handler
+    with pytest.raises(checkpointer.Stopped) as stopped:
+        ckpt.step()
+    assert stopped.value.code == 128 + signum
+    assert (tmp_path / "asked").exists() == requeued
+    assert distributed.load_checkpoint(tmp_path / "run.pt")["steps"] == 1
+
+
+def test_save_every_counts_the_runs_steps_across_epochs(tmp_path, stop_signals_restored):
+    """save_every=3 over epochs of 4 steps: a snapshot after the run's steps 3 and 6 (and at each epoch's end), so
+    that a hard kill loses at most 3 steps; counted within each epoch, steps 6 and 8 would save nothing new."""
+    data = TensorDataset(torch.arange(8.0))
+    loader = DataLoader(data, batch_size=2, sampler=distributed.data_sampler(data, shuffle=False))
+    path = tmp_path / "run.pt"
+    ckpt = checkpointer.Checkpointer(path, torch.nn.Linear(1, 1), loader=loader, save_every=3, save_interval=0,
+                                     check_every=1000)
+    saved = []  # the snapshot's step after each of the run's steps
+    for _ in ckpt.epochs(2):
+        for _ in loader:
+            ckpt.step()
+            saved.append(distributed.load_checkpoint(path)["steps"] if path.exists() else None)
+    assert saved == [None, None, 3, 3, 4, 6, 6, 6], saved
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"check_every": 0}, "check_every must be an integer >= 1, got: 0"),
     ({"grad_accum": 2.0}, "grad_accum must be an integer >= 1, got: 2.0"),
