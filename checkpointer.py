@@ -239,7 +239,12 @@ class Checkpointer:
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"the snapshot {self.path} holds another model or optimizer than this script builds "
                              f"({e}); use another path to start a new run") from e
-        ranks = saved["ranks"]
+        # The snapshot is memory-mapped (load_checkpoint): a tensor of it kept past the restore (an optimizer's
+        # state on the CPU, which load_state_dict keeps as given) would keep the file mapped, its disk space held
+        # after the next save replaces it (on NFS a hidden .nfs file of its size).
+        for per_parameter in (self.optimizer.state.values() if self.optimizer is not None else ()):
+            per_parameter.update(_unmapped(dict(per_parameter)))
+        ranks = _unmapped(saved["ranks"])
         rank = distributed.get_rank()
         _restore_rngs(ranks, rank)
         if ranks[rank % len(ranks)].get("loader_rng") is not None and self._loader_rng is not None:
@@ -538,6 +543,17 @@ def _gather_to_primary(obj: Any) -> list[Any] | None:
         return None
     del data, buffer  # decoded one rank at a time, each buffer freed once it is
     return [torch.load(io.BytesIO(gathered.pop(0)), map_location="cpu", weights_only=True) for _ in lengths]
+
+
+def _unmapped(obj: Any) -> Any:
+    """``obj`` with each CPU tensor in it (in dicts, lists and tuples) copied out of the snapshot's mapping."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.device.type == "cpu" else obj
+    if isinstance(obj, dict):
+        return {key: _unmapped(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unmapped(value) for value in obj)
+    return obj
 
 
 def _state_dicts(state: dict) -> dict:

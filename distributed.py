@@ -188,6 +188,9 @@ def init_process_group(local_rank: int, world_size: int, backend: str | None = N
                             device_id=device if backend == "nccl" else None, **_rendezvous(env, backend, timeout))
     if files := _RankFiles.of_this_job():  # for launch()'s report of a hang
         files.write(env.rank, "backend", backend)
+    elif backend == "nccl" and env.rank == 0 and _env_int_or("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        print(f"distributed.py: on a collective's timeout NCCL's flight recorder writes each rank's last collectives "
+              f"to {_flight_recorder_prefix()}<rank> on its host", file=sys.stderr, flush=True)  # torchrun, srun
     return device
 
 
@@ -517,6 +520,12 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got: {os.environ[name]!r}") from None
 
 
+def _env_int_or(*names: str) -> int:
+    """The first of ``names`` set, as an integer (0 if none is)."""
+    name = next((name for name in names if os.environ.get(name)), None)
+    return _env_int(name) if name else 0
+
+
 def _resolve_nprocs(nprocs: int | None, gpus: int) -> int:
     """How many processes to start, given the visible GPU count (0 on a CPU machine)."""
     if nprocs is None:
@@ -579,27 +588,40 @@ def _gpu_index(local_rank: int, gpus: int, mode: str, nccl: bool) -> int:
     """This local rank's GPU; under nccl, which refuses two ranks on one GPU, a GPU of its own."""
     # SLURM 23.11+ reports --gpus-per-task in SLURM_TRES_PER_TASK ("cpu=1,gres/gpu=1", "gres/gpu:a100:2").
     per_task = re.search(r"gres[/:]gpu(?::[\w.-]+)?[:=](\d+)", os.environ.get("SLURM_TRES_PER_TASK", ""))
-    gpus_per_task = _env_int("SLURM_GPUS_PER_TASK") if "SLURM_GPUS_PER_TASK" in os.environ else 0
+    gpus_per_task = _slurm_gpu_count(os.environ.get("SLURM_GPUS_PER_TASK", ""))
     gpus_per_task = gpus_per_task or (int(per_task.group(1)) if per_task else 0)
     if mode == "slurm" and gpus_per_task and gpus <= gpus_per_task:
         return 0  # srun --gpus-per-task=k shows each task its own k GPUs: the first is this rank's
-    if local_rank < gpus:
-        return local_rank
+    if local_rank < gpus or not nccl:
+        return local_rank % gpus  # gloo with CUDA tensors may share a GPU
     # --gres=gpu:1 with 2 tasks shows both the same one (NCCL then dies with "Duplicate GPU detected"); a step with
     # a GPU per task, each bound to its own, shows each task one.
     step_gpus = [gpu for gpu in os.environ.get("SLURM_STEP_GPUS", "").split(",") if gpu]
-    if not nccl or gpus == 1 and mode == "slurm" and len(step_gpus) > local_rank:
-        return local_rank % gpus
-    if mode == "slurm" and len(step_gpus) > gpus:
+    if mode == "slurm" and step_gpus and len(step_gpus) <= local_rank and gpus == len(step_gpus):
+        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: its SLURM step has {len(step_gpus)} "
+                           "GPU(s) for more tasks on this node, and NCCL refuses two ranks on one. Ask for a GPU per "
+                           "task (--gpus-per-task=1, or --ntasks-per-node at most --gres=gpu:N), or hide the GPUs "
+                           "(CUDA_VISIBLE_DEVICES=) to run CPU processes")
+    if mode == "slurm" and len(step_gpus) > gpus > 1:
         binding = os.environ.get("SLURM_GPU_BIND", "") or "a --gpu-bind"
         raise RuntimeError(f"local rank {local_rank} sees {gpus} of its step's {len(step_gpus)} GPUs: SLURM's binding "
                            f"({binding}) shows each task a subset, in which local ranks cannot find a GPU of their "
                            "own. Use --gpu-bind=none (every task sees every GPU and local rank k takes GPU k) or "
                            "--gpus-per-task=1")
-    raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
-                       "refuses two ranks on one. Start at most one process per GPU on each machine (torchrun "
-                       f"--nproc_per_node={gpus}, srun --ntasks-per-node={gpus} or --gpus-per-task=1), or hide "
-                       "the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes")
+    if mode == "spawn":  # launch() shows every rank every GPU: a local rank past them shares one
+        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPU(s) and NCCL "
+                           f"refuses two ranks on one; use launch(..., nprocs={gpus}) at most")
+    # A launcher may show each rank a GPU of its own (CUDA_VISIBLE_DEVICES per rank: mpirun wrappers, Kubernetes'
+    # device plugins, SLURM's per-task binding), or several ranks one: the start compares the GPUs' UUIDs.
+    return local_rank % gpus
+
+
+def _slurm_gpu_count(text: str) -> int:
+    """A GPU count as SLURM writes it: "2", a typed "h100:1", or a list of them ("a100:1,h100:2"); 0 for none."""
+    try:
+        return sum(int(item.rsplit(":", 1)[-1]) for item in text.split(",") if item)
+    except ValueError:
+        raise ValueError(f"SLURM_GPUS_PER_TASK must be a GPU count, [type:]count, got: {text!r}") from None
 
 
 def _slurm_threads() -> int:
@@ -782,7 +804,8 @@ class _Start:
         written = store.multi_get([f"rank{r}" for r in range(self.world)])
         ranks = [_RankFacts(**json.loads(text)) for text in written]
         spans = len({about.host_id for about in ranks}) > 1
-        problems = _version_mismatches(ranks, backend) + (_unreachable_listeners(ranks, backend) if spans else [])
+        problems = _version_mismatches(ranks, backend) + _shared_gpus(ranks)
+        problems += _unreachable_listeners(ranks, backend) if spans else []
         return _Verdict(" ".join(problems) or None, spans)
 
     def _missing(self, store: dist.Store, waiting: bool = False) -> str:
@@ -807,14 +830,18 @@ class _RankFacts(NamedTuple):
     nccl_chosen: str | None
     route: list[str] | None  # [interface, address] this host reaches MASTER_ADDR from
     addresses: str
+    gpu: str | None  # under nccl, the UUID of this rank's GPU: two ranks of a host must not share one
 
     @classmethod
     def of_this_rank(cls, backend: str, master_addr: str, port: int) -> _RankFacts:
         addresses = _addresses()
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None
+        nccl, gpu = None, None
+        if backend == "nccl":
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            gpu = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "")) or None
         return cls(socket.gethostname(), _host_id(), torch.__version__, torch.version.cuda, nccl,
                    _gloo_address(addresses), os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"),
-                   _route(master_addr, port, addresses), _listed(addresses))
+                   _route(master_addr, port, addresses), _listed(addresses), gpu)
 
 
 class _Verdict(NamedTuple):
@@ -836,6 +863,19 @@ def _version_mismatches(ranks: list[_RankFacts], backend: str) -> list[str]:
     return problems
 
 
+def _shared_gpus(ranks: list[_RankFacts]) -> list[str]:
+    """Ranks of one host on one GPU, which NCCL refuses: told apart from ranks each shown a GPU of its own."""
+    sharing: dict[tuple[str, str], list[int]] = {}
+    for rank, about in enumerate(ranks):
+        if about.gpu:
+            sharing.setdefault((about.host_id, about.gpu), []).append(rank)
+    return [f"rank {_ranges(members)} on {ranks[members[0]].host} would share one GPU ({gpu}), and NCCL refuses two "
+            "ranks on one. Start at most one process per GPU on each host (torchrun --nproc_per_node, srun "
+            "--ntasks-per-node or --gpus-per-task=1), show each rank its own (CUDA_VISIBLE_DEVICES per rank), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes"
+            for (_, gpu), members in sharing.items() if len(members) > 1]
+
+
 def _unreachable_listeners(ranks: list[_RankFacts], backend: str) -> list[str]:
     """In a job across hosts, the ranks whose backend would listen on loopback, which no other host reaches."""
     problems = []
@@ -848,10 +888,18 @@ def _unreachable_listeners(ranks: list[_RankFacts], backend: str) -> list[str]:
                 route = f"{about.route[0]}, which routes to MASTER_ADDR"
             problems.append(f"the job spans hosts, and {where} would listen for gloo on {about.gloo} (loopback, "
                             f"from {chosen}), which no other host reaches: set GLOO_SOCKET_IFNAME={route}")
-        elif backend == "nccl" and (about.nccl_chosen or "").startswith("lo"):
+        elif backend == "nccl" and _names_loopback(about.nccl_chosen or ""):
             problems.append(f"the job spans hosts, and {where} has NCCL_SOCKET_IFNAME={about.nccl_chosen} "
                             "(loopback): set it to the interface of an address the other hosts reach")
     return problems
+
+
+def _names_loopback(ifname: str) -> bool:
+    """Whether NCCL_SOCKET_IFNAME lets NCCL use loopback: a prefix ("lo"), an exact name ("=lo"), or one of a list;
+    a list that excludes ("^lo,docker") never names it."""
+    if ifname.startswith("^"):
+        return False
+    return any(name.lstrip("=").startswith("lo") for name in ifname.split(","))
 
 
 def _is_own_address(ip: str) -> bool:
@@ -1594,14 +1642,20 @@ def _where_ranks_are(stacks: dict[int, str], tracebacks: dict[int, str], nccl: b
 
 def _flight_recorder_dumps(world: int, since: float) -> list[str]:
     """The dumps NCCL's flight recorder wrote for this job's ranks (on a watchdog timeout, where its trace buffer
-    is on): TORCH_NCCL_DEBUG_INFO_TEMP_FILE (default /tmp/nccl_trace_rank_) + the rank, newer than ``since``."""
-    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    is on): the prefix + the rank, newer than ``since``."""
     found = []
     for rank in range(world):
         with contextlib.suppress(OSError):
-            if os.stat(f"{prefix}{rank}").st_mtime >= since:
-                found.append(f"{prefix}{rank}")
+            if os.stat(f"{_flight_recorder_prefix()}{rank}").st_mtime >= since:
+                found.append(f"{_flight_recorder_prefix()}{rank}")
     return found
+
+
+def _flight_recorder_prefix() -> str:
+    """Where NCCL's flight recorder dumps a rank's last collectives, the rank appended: torch's newer variable,
+    then its older one, then their default."""
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or \
+        "/tmp/nccl_trace_rank_"
 
 
 def _keep_stacks(texts: dict[int, str]) -> str:

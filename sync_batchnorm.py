@@ -17,6 +17,10 @@ replaces every BatchNorm layer (any depth) with one whose training statistics ar
   gradients over the ranks; the running mean and unbiased variance (momentum=None: the cumulative average)
   update as one process's would.
 
+Evaluating with plain BatchNorm at N processes reports metrics of N different models: DDP broadcasts rank 0's
+buffers at each training forward, then each rank's own batch moves its running statistics, so only rank 0's are
+the saved model's. With sync_batchnorm every rank's are the same.
+
 Weights, buffers and the training flag are kept (the same Parameters: an optimizer holding them stays valid). The
 group is looked up when a layer runs: convert before or after init_process_group. In a world of one, and in eval
 (as torch's: an evaluation on the primary alone must not wait for the others), a layer is exactly BatchNorm. It uses

@@ -682,6 +682,35 @@ def test_sync_batchnorm_edges_on_two_ranks(pools):
         assert "1 value(s) per channel in the global batch" in found["alone"]
 
 
+def task_sync_batchnorm_cpu_model_and_eval(spec: dict) -> dict:
+    rank, out = distributed.get_rank(), {}
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # a GPU process whose model stays on the CPU (nothing touches CUDA here)
+    try:
+        model = sync_batchnorm(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))).double()
+    finally:
+        torch.cuda.is_available = available
+    out["torch's"] = isinstance(model[1], nn.SyncBatchNorm)
+    x = torch.arange(6, dtype=torch.float64).reshape(2, 3) + rank
+    DDP(model)(x).sum().backward()  # torch's SyncBatchNorm in a CPU module: DDP refuses it, its forward too
+    out["grad"] = model[0].weight.grad.clone()
+    untracked = sync_batchnorm(nn.BatchNorm1d(3, track_running_stats=False).double()).eval()
+    if rank == 0:  # an evaluation on the primary alone, as torch's SyncBatchNorm allows in eval
+        out["eval"] = untracked(x).detach()
+    return out
+
+
+def test_sync_batchnorm_picks_by_device_and_evaluates_on_one_rank(pools):
+    """In a process where CUDA is available but the model is kept on the CPU, the layer is the exact one (torch's
+    SyncBatchNorm is refused there: by DDP at wrap, by its forward); in eval without running statistics a layer
+    normalizes the local batch, never waiting for the other ranks, as torch's does: the primary alone evaluates."""
+    results = pools.run(2, task_sync_batchnorm_cpu_model_and_eval, {})
+    assert [found["torch's"] for found in results] == [False, False]
+    assert torch.equal(results[0]["grad"], results[1]["grad"])
+    x = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    torch.testing.assert_close(results[0]["eval"], nn.BatchNorm1d(3, track_running_stats=False).double()(x))
+
+
 def task_sync_batchnorm_bf16(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
     rank = distributed.get_rank()
     x = 100 + torch.randn(1201, 3, generator=torch.Generator().manual_seed(rank))  # a mean far from 0

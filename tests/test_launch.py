@@ -765,6 +765,7 @@ def test_gpus_per_task_is_read_from_newer_slurms_tres_per_task(monkeypatch, tres
     for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_TRES_PER_TASK", "SLURM_GPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_TRES_PER_TASK", tres)
+    monkeypatch.setenv("SLURM_STEP_GPUS", "0")  # the step's one GPU
     if own:
         assert distributed._gpu_index(1, 1, "slurm", True) == 0
     else:
@@ -787,30 +788,72 @@ def test_a_gpu_binding_that_shows_each_task_a_subset_is_named_with_its_fix(monke
 @pytest.mark.parametrize("local_rank, gpus, mode, nccl, env, index", [
     (1, 2, "torchrun", True, {}, 1), (0, 1, "torchrun", True, {}, 0),
     (1, 1, "slurm", True, {"SLURM_GPUS_PER_TASK": "1"}, 0),  # srun --gpus-per-task=1: its own GPU as cuda:0
+    (1, 1, "slurm", True, {"SLURM_GPUS_PER_TASK": "h100:1"}, 0),  # the typed form many clusters require
     (1, 1, "slurm", True, {"SLURM_STEP_GPUS": "0,1"}, 0),   # a GPU per task of the step, each bound to one
     (1, 1, "slurm", True, {"SLURM_STEP_GPUS": "0"}, None),  # --gres=gpu:1 --ntasks-per-node=2: one GPU shared
-    (1, 1, "slurm", True, {}, None),
     (1, 1, "torchrun", False, {}, 0),    # gloo with CUDA tensors may share a GPU
     (3, 2, "slurm", False, {}, 1),
-    (1, 1, "torchrun", True, {}, None), (2, 2, "slurm", True, {}, None), (4, 4, "spawn", True, {}, None),
+    (4, 4, "spawn", True, {}, None),     # launch() shows every rank every GPU: past them is sharing
+    (1, 1, "torchrun", True, {}, 0),     # each rank shown its own (CUDA_VISIBLE_DEVICES per rank): the start decides
+    (2, 2, "slurm", True, {}, 0),
     (4, 2, "slurm", True, {"SLURM_GPUS_PER_TASK": "2"}, 0),  # --gpus-per-task=2: the task's first of its own 2
+    (4, 2, "slurm", True, {"SLURM_GPUS_PER_TASK": "a100:1,h100:1"}, 0),
     (4, 2, "slurm", True, {"SLURM_TRES_PER_TASK": "cpu=4,gres/gpu:a100:2"}, 0),
     (1, 8, "slurm", True, {"SLURM_GPUS_PER_TASK": "2"}, 1),  # --gpu-bind=none: every task sees all 8
     (3, 4, "slurm", True, {"SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7"}, 3),  # --gpu-bind=closest, first socket
 ])
-def test_more_local_ranks_than_gpus_under_nccl_is_an_error_naming_the_fix(monkeypatch, local_rank, gpus, mode, nccl,
-                                                                          env, index):
-    """NCCL refuses two ranks on one GPU with its own message: ours says what to change, before NCCL starts."""
+def test_a_local_rank_gets_its_gpu_or_an_error_naming_the_fix(monkeypatch, local_rank, gpus, mode, nccl, env, index):
+    """NCCL refuses two ranks on one GPU with its own message: where the layout proves sharing before NCCL starts
+    (SLURM's step, launch()'s own ranks) ours says what to change; where a launcher may show each rank a GPU of its
+    own, the rank takes what it sees and the start compares the GPUs (test_two_ranks_on_one_gpu_...)."""
     for name in ("SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_TRES_PER_TASK", "SLURM_GPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     if index is None:
-        with pytest.raises(RuntimeError, match=rf"local rank {local_rank} has no GPU of its own: this process sees "
-                                               rf"{gpus} GPU.*--nproc_per_node={gpus}.*CUDA_VISIBLE_DEVICES="):
+        with pytest.raises(RuntimeError, match=rf"local rank {local_rank} has no GPU of its own: .*NCCL refuses"):
             distributed._gpu_index(local_rank, gpus, mode, nccl)
     else:
         assert distributed._gpu_index(local_rank, gpus, mode, nccl) == index
+
+
+def test_a_gpu_count_slurm_cannot_have_written_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "h100:one")
+    with pytest.raises(ValueError, match=r"SLURM_GPUS_PER_TASK must be a GPU count, \[type:\]count, got: 'h100:one'"):
+        distributed._gpu_index(1, 1, "slurm", True)
+
+
+def facts(host_id: str, gpu: str | None, **changes: object) -> distributed._RankFacts:
+    """One rank's facts as the start's meeting compares them: a host and a GPU UUID, the rest alike."""
+    about = distributed._RankFacts(host=f"host-{host_id}", host_id=host_id, torch="2.13.0", cuda="12.8", nccl="2.28.9",
+                                   gloo="10.0.0.1", gloo_chosen=None, nccl_chosen=None, route=["eth0", "10.0.0.1"],
+                                   addresses="eth0 10.0.0.1", gpu=gpu)
+    return about._replace(**changes)
+
+
+def test_two_ranks_on_one_gpu_are_refused_and_a_gpu_each_accepted():
+    """Each rank of a host shown one GPU of its own (CUDA_VISIBLE_DEVICES per rank: the same index 0, different
+    UUIDs) is a good layout; two ranks of a host on one GPU (the same UUID) are refused before NCCL starts, naming
+    them and the fixes; the same UUID on two hosts cannot be one GPU."""
+    own = [facts("a", "GPU-0"), facts("a", "GPU-1"), facts("b", "GPU-0"), facts("b", "GPU-1")]
+    assert distributed._shared_gpus(own) == []
+    shared = [facts("a", "GPU-0"), facts("a", "GPU-0"), facts("b", "GPU-1")]
+    [problem] = distributed._shared_gpus(shared)
+    assert problem.startswith("rank 0-1 on host-a would share one GPU (GPU-0), and NCCL refuses two ranks on one")
+    assert "CUDA_VISIBLE_DEVICES per rank" in problem and "--nproc_per_node" in problem
+    assert distributed._shared_gpus([facts("a", None), facts("a", None)]) == []  # gloo: no GPU compared
+
+
+@pytest.mark.parametrize("ifname, refused", [("lo", True), ("=lo", True), ("eth0,lo", True), ("^lo,docker", False),
+                                             ("eth0", False), ("=eth0", False)])
+def test_nccl_on_loopback_is_refused_across_hosts_in_any_spelling(ifname, refused):
+    """NCCL_SOCKET_IFNAME takes prefixes, an exact name after "=", lists, and exclusions after "^": any that lets
+    NCCL use loopback fails a job across hosts at its start (=lo escaped the check before)."""
+    ranks = [facts("a", "GPU-0"), facts("b", "GPU-0", nccl_chosen=ifname)]
+    problems = distributed._unreachable_listeners(ranks, "nccl")
+    assert bool(problems) == refused, problems
+    if refused:
+        assert f"rank 1 on host-b (eth0 10.0.0.1) has NCCL_SOCKET_IFNAME={ifname} (loopback)" in problems[0]
 
 
 def test_spawned_ranks_keep_gloo_and_nccl_bootstrap_on_loopback(monkeypatch):
@@ -985,11 +1028,15 @@ def test_hang_report_under_nccl_calls_a_rank_in_a_helpers_copy_waiting():
     assert "rank 3: blocked outside a collective call, at train.py:41 in evaluate" in report, report
 
 
-def test_the_report_finds_this_jobs_nccl_flight_recorder_dumps(tmp_path, monkeypatch):
-    """NCCL's watchdog dumps each rank's last collectives to TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank: the launcher's
-    report names this job's dumps, not an older job's (the GPU path is in test_gpu.py, unverified here)."""
+@pytest.mark.parametrize("variable", ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+def test_the_report_finds_this_jobs_nccl_flight_recorder_dumps(tmp_path, monkeypatch, variable):
+    """NCCL's watchdog dumps each rank's last collectives to TORCH_FR_DUMP_TEMP_FILE (torch's newer name; older:
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE) + rank: the launcher's report names this job's dumps, not an older job's (the
+    GPU path is in test_gpu.py, unverified here)."""
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
     prefix = str(tmp_path / "trace_rank_")
-    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
+    monkeypatch.setenv(variable, prefix)
     for rank in (0, 2):
         Path(f"{prefix}{rank}").write_bytes(b"dump")
     os.utime(f"{prefix}2", (1, 1))  # an older job's

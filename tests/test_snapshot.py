@@ -419,3 +419,31 @@ def test_read_only_directory_keeps_the_previous_snapshot(read_only_dir, pools):
     # min_ddp refuses such a path before training, not after hours of it.
     out = run([sys.executable, "min_ddp.py", "--snapshot", str(read_only_dir / "run.pt")])
     assert out.returncode == 2 and f"{read_only_dir} is missing or read-only" in out.stderr, out.stderr
+
+
+def mapped_files() -> str:
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return f.read()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/maps")
+def test_a_resume_keeps_no_tensor_of_the_snapshot_mapped(tmp_path, stop_signals_restored):
+    """A resume maps the snapshot (its pages shared by the ranks of a node) but keeps nothing of it mapped past the
+    restore: before, Adam's state (its step counts and moments, kept by load_state_dict as given) and the user's
+    state pointed into the file, so the space of a snapshot the next save replaced stayed held (on NFS a hidden
+    .nfs file of its size) for the rest of the run."""
+    import checkpointer
+    path = tmp_path / "run.pt"
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    state = {"ema": torch.zeros(64), "new": None}
+    checkpointer.Checkpointer(path, model, optimizer, batch_size=1, state={"ema": torch.ones(64), "new": torch.ones(3)}
+                              ).save()
+    resumed = torch.optim.Adam(model.parameters())
+    ckpt = checkpointer.Checkpointer(path, model, resumed, batch_size=1, state=state)
+    assert resumed.state_dict()["state"][0]["step"].item() == 1 and state["new"].tolist() == [1.0] * 3
+    assert str(path) not in mapped_files(), "a tensor of the snapshot is still mapped after the restore"
+    ckpt.save()  # replaces the file: its old pages must be free to go
+    assert str(path) not in mapped_files()
