@@ -460,7 +460,6 @@ def check_weights_only(obj: Any, where: str) -> None:
 # ------------------------------ Which launcher started this process --------------------------
 # Set by launch() in the processes it spawns: how they rendezvous. Its presence also means "spawn" mode.
 _INIT_METHOD_ENV = "DISTRIBUTED_PY_INIT_METHOD"
-_JOB_DIR_ENV = "DISTRIBUTED_PY_JOB_DIR"  # and the directory of the job's reports
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -1123,6 +1122,9 @@ def _corrupt(path: str, error: Exception) -> RuntimeError:
 # ============ The local launcher's supervisor: the processes launch() starts, their signals, =====
 # ============ their deaths and their error reports (torchrun and srun do this themselves) =======
 # ------------------------------ The job directory: each rank's channel to the launcher ----------
+_JOB_DIR_ENV = "DISTRIBUTED_PY_JOB_DIR"  # set by launch() in its ranks: the job directory's path
+
+
 class _RankFiles:
     """launch()'s private job directory, the one way a rank tells its launcher something: rank<r>.<kind>, written
     by the rank, read by the launcher (never half: written to a temporary name, then renamed; faulthandler writes

@@ -26,8 +26,8 @@ A collate function's draws (a mixup in ``collate_fn``) in a loader worker repeat
 worker's generators are left seeded by the batch's last item read: that holds for seeded_dataset's reads in
 workers, not in the main process (where the caller's generators are given back); draw such randomness in the
 training loop instead (the Checkpointer saves the rank's generators), or from a generator seeded by the batch's
-indices. ``distributed.check_repeatable(data)`` names a dataset that still draws from elsewhere. It uses only distributed.py's
-public names and torch; distributed.py does not import it.
+indices. ``distributed.check_repeatable(data)`` names a dataset that still draws from elsewhere. It uses only
+distributed.py's public names and torch; distributed.py does not import it.
 """
 from __future__ import annotations
 
