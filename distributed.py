@@ -39,9 +39,9 @@ module-level state.
 The rule: what runs without being called by name (launcher detection, the start's checks, the supervisor, the
 reports) is here; what a script opts into by name lives in a file beside this one that uses only this file's
 public names and that this file never imports: checkpointer.py (exact resume, clean stops), seeded_dataset.py,
-sync_batchnorm.py, ddp_check.py, shared_memory_allreduce.py. The map of its banners: what a script calls
-(Launching ... Models); what the files beside it use; the internals in the same order; last, the supervisor of
-launch()'s processes and its reports.
+sync_batchnorm.py, sharded_stream.py, ddp_check.py, shared_memory_allreduce.py. The map of its banners: what a
+script calls (Launching ... Models); what the files beside it use; the internals in the same order; last, the
+supervisor of launch()'s processes and its reports.
 """
 from __future__ import annotations
 
@@ -1012,8 +1012,9 @@ def _refuse_iterable(dataset: Dataset, where: str) -> None:
         raise TypeError(f"{where}: got an IterableDataset ({type(dataset).__name__}), which has no indices to shard. "
                         "Shard the stream in its __iter__: keep every n-th item, n = get_world_size() x the loader's "
                         "workers, from offset get_rank() x workers + the worker's id (torch.utils.data."
-                        "get_worker_info()); and make every rank run the same number of steps, or the ranks that run "
-                        "out first leave the others waiting in an all-reduce")
+                        "get_worker_info()); and loop over stop_together(loader) (sharded_stream.py, beside this file) "
+                        "so that every rank runs the same number of steps: a rank that runs out first leaves the "
+                        "others waiting in an all-reduce")
 
 
 def _unrepeatable(index: int, seeded: bool) -> str:
@@ -1676,7 +1677,7 @@ def _place(frames: list[tuple[str, str, str]]) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 # This project's files, beside this one: their frames are never "your code" in a report.
 _LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py",
-                  "seeded_dataset.py", "sync_batchnorm.py")
+                  "seeded_dataset.py", "sync_batchnorm.py", "sharded_stream.py")
 # This project's functions that wait for every rank: a rank inside one is waiting for its peers.
 _COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested",
                        "_all_reduced")

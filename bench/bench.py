@@ -7,6 +7,7 @@
     python bench/bench.py --start          # only a start by hand (env://): ours against torch's
     python bench/bench.py --world3         # only world 3: what bitwise resume costs
     python bench/bench.py --items          # only seeded_dataset's cost per item read
+    python bench/bench.py --streams        # only stop_together's cost per step of min_ddp's loop, world 2
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -47,6 +48,7 @@ sys.path.insert(0, ROOT)  # the library this measures sits one folder up, as in 
 import distributed as dist  # noqa: E402
 from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
 from seeded_dataset import seeded_dataset  # noqa: E402
+from sharded_stream import stop_together  # noqa: E402
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
@@ -179,6 +181,31 @@ def turns(world: int, steps: int, allreduce: str = "shared-memory", rounds: int 
     pairs = run_launched(turns_worker, world, steps, rounds, torch.get_num_threads(), allreduce)
     return (statistics.median(plain for plain, _ in pairs), statistics.median(ddp for _, ddp in pairs),
             statistics.median(ddp / plain for plain, ddp in pairs))
+
+
+def streams_worker(local_rank: int, world_size: int, steps: int, runs: int, result: str) -> None:
+    """min_ddp's loop (shared-memory all-reduce) over its loader, plain and through stop_together, alternating
+    epoch by epoch; writes [plain, wrapped] seconds per step (the slowest rank's) per run as JSON."""
+    dist.init_process_group(local_rank, world_size)
+    model, optimizer = bench_model()
+    ddp_model = DDP(model, gradient_as_bucket_view=True)
+    assert shared_memory_allreduce(ddp_model, 300)
+    data = list(zip(*bench_data(BATCH * world_size * steps).tensors, strict=True))
+    loader = DataLoader(data, batch_size=BATCH, sampler=dist.data_sampler(data))
+    train_steps(ddp_model, loader, optimizer)  # warm-up
+    pairs = []
+    for _ in range(runs):
+        pair = []
+        for wrap in (lambda batches: batches, stop_together):
+            dist.barrier()
+            start = time.perf_counter()
+            train_steps(ddp_model, wrap(loader), optimizer)
+            pair.append(dist.reduce(time.perf_counter() - start, "max").item() / steps)
+        pairs.append(pair)
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump(pairs, f)
+    dist.cleanup()
 
 
 def run_launched(worker: Callable[..., None], world: int, *args: Any) -> Any:
@@ -467,6 +494,7 @@ def main() -> None:
     p.add_argument("--start", action="store_true", help="only a good start by hand: ours against torch's env://")
     p.add_argument("--world3", action="store_true", help="only world 3: what bitwise resume costs")
     p.add_argument("--items", action="store_true", help="only seeded_dataset's cost per item read")
+    p.add_argument("--streams", action="store_true", help="only stop_together's cost per step of min_ddp's loop")
     p.add_argument("--start-rank", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
@@ -489,6 +517,15 @@ def main() -> None:
         return print(world3(args.steps, args.runs))
     if args.items:
         return print(items())
+    if args.streams:
+        pairs = run_launched(streams_worker, 2, args.steps, 2 * args.runs + 1)
+        added = sorted(wrapped / plain - 1 for plain, wrapped in pairs)
+        print(f"stop_together, world 2, min_ddp's loop ({len(pairs)} epoch pairs of {args.steps} steps, alternating): "
+              f"a step {statistics.median(p for p, _ in pairs) * 1e3:.2f} ms plain, "
+              f"{statistics.median(w for _, w in pairs) * 1e3:.2f} ms wrapped; added: median "
+              f"{statistics.median(added) * 100:+.2f}% (pairs: {added[0] * 100:+.2f}% to {added[-1] * 100:+.2f}%; "
+              "target <= 1%)")
+        return None
     if args.save:
         found = run_launched(save_worker, 2, 2 * args.runs + 1)
         seconds = found["seconds"][1:]  # the first save also pays its first-time costs

@@ -12,7 +12,8 @@ import pytest
 import distributed
 
 HERE = Path(__file__).resolve().parent.parent
-BESIDE = ["checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py", "seeded_dataset.py", "sync_batchnorm.py"]
+BESIDE = ["checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py", "seeded_dataset.py", "sync_batchnorm.py",
+          "sharded_stream.py"]
 
 
 def imported_modules(tree: ast.AST) -> set[str]:
