@@ -38,17 +38,18 @@ def trained(directory: Path, out: str) -> tuple[dict, dict]:
     return torch.load(directory / f"{out}.steps"), distributed.load_checkpoint(directory / out)["model"]
 
 
-def stop_and_resume(tmp_path: Path, flags: list[str], stop: int = 5, batch: int = 16) -> tuple[dict, dict]:
-    """The loop at world 2 stopped by SIGUSR1 after step ``stop`` of epoch 1, then resumed to the end; beside
-    the stopped run, the uninterrupted one (straight.pt)."""
-    straight, stopped = at_once([start_random_loop(tmp_path, "never.pt", "straight.pt", 2, batch, 0, *flags),
-                                 start_random_loop(tmp_path, "snap.pt", "resumed.pt", 2, batch, stop, *flags)])
+def stop_and_resume(tmp_path: Path, flags: list[str], stop: int = 5, batch: int = 16, world: int = 2
+                    ) -> tuple[dict, dict]:
+    """The loop at ``world`` processes stopped by SIGUSR1 after step ``stop`` of epoch 1, then resumed to the end;
+    beside the stopped run, the uninterrupted one (straight.pt)."""
+    straight, stopped = at_once([start_random_loop(tmp_path, "never.pt", "straight.pt", world, batch, 0, *flags),
+                                 start_random_loop(tmp_path, "snap.pt", "resumed.pt", world, batch, stop, *flags)])
     assert straight.returncode == 0, straight.stderr
     assert stopped.returncode == 138, stopped.stderr
     assert f"stopped by SIGUSR1 after 0 epochs and {stop} steps; saved to" in stopped.stdout, stopped.stdout
-    resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", 2, batch, 0, *flags)
+    resumed = random_loop(tmp_path, "snap.pt", "resumed.pt", world, batch, 0, *flags)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"after 0 epochs and {stop} steps (saved at world size 2)" in resumed.stdout, resumed.stdout
+    assert f"after 0 epochs and {stop} steps (saved at world size {world})" in resumed.stdout, resumed.stdout
     return trained(tmp_path, "resumed.pt")
 
 
@@ -97,14 +98,15 @@ def test_numpy_and_an_owned_generator_in_workers_resume_bitwise(tmp_path):
 @pytest.mark.slow
 def test_a_sampler_of_the_users_own_resumes_mid_epoch_bitwise(tmp_path):
     """A repeated-augmentation sampler of the script's own (each index 3 times an epoch, its order a function of
-    set_epoch, no skip of its own), seeded augmentation in 2 loader workers, stopped mid-epoch at world 2: the
+    set_epoch, no skip of its own), seeded augmentation in 2 loader workers, stopped mid-epoch (one process: the
+    sampler's skip is the rank's own; world 2's sharded skip is data_sampler's, proven above): the
     resumed run starts the sampler's order after the samples done, every step trains on the uninterrupted run's
     samples and the weights are bitwise its. Before, the Checkpointer saved the mid-epoch snapshot and then refused
     to start from it."""
     flags = ["--augment", "seeded", "--workers", "2", "--sampler", "repeated"]
-    steps, model = stop_and_resume(tmp_path, flags, batch=48)
+    steps, model = stop_and_resume(tmp_path, flags, batch=96, world=1)
     expected_steps, expected_model = trained(tmp_path, "straight.pt")
-    assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))  # 384 of 256 x 3 samples a rank, 48 a step
+    assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))  # 768 of 256 x 3 samples, 96 a step
     assert_bitwise_equal(steps, expected_steps, "what each step trained on")
     assert_bitwise_equal(model, expected_model, "final model")
 
