@@ -430,9 +430,17 @@ def _resumable(sampler: Any, refuse_random: bool) -> None:
     def __len__(self: Any) -> int:
         return cls.__len__(self) - (getattr(self, "skip", 0) if not skips else 0)
 
+    def __reduce_ex__(self: Any, protocol: int) -> tuple:  # pickled and copied as the user's own class, no skip
+        return _bare, (cls,), {key: value for key, value in vars(self).items() if key != "skip"}
+
     body = {"__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_start_at": _start_at,
-            "__iter__": __iter__, "__len__": __len__}
+            "__iter__": __iter__, "__len__": __len__, "__reduce_ex__": __reduce_ex__}
     sampler.__class__ = type(cls.__name__, (cls,), body)
+
+
+def _bare(cls: type) -> Any:
+    """An instance of ``cls`` not yet initialized, for unpickling: its attributes follow."""
+    return cls.__new__(cls)
 
 
 def _deterministic(sampler: Any) -> bool:

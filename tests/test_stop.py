@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -556,7 +557,7 @@ def test_checkpointer_resumes_mid_epoch_with_any_epoch_ordered_sampler(tmp_path,
     else:
         sampler = distributed.data_sampler(data, True, shuffle=True)
         loader = DataLoader(data, batch_sampler=BatchSampler(sampler, batch_size=4, drop_last=False))
-    expected = []  # what the sampler gives when its epoch is set by hand
+    expected, kind = [], type(sampler)  # what the sampler gives when its epoch is set by hand
     for epoch in range(3):
         sampler.set_epoch(epoch)
         expected.append(list(sampler))
@@ -571,6 +572,7 @@ def test_checkpointer_resumes_mid_epoch_with_any_epoch_ordered_sampler(tmp_path,
     got = [(epoch, len(loader), torch.cat([x for x, in loader]).tolist()) for epoch in resumed.epochs(3)]
     rest = expected[1][8:]
     assert got == [(1, len(rest) // 4, rest), (2, len(expected[2]) // 4, expected[2])], got
+    assert type(pickle.loads(pickle.dumps(sampler))) is kind, "pickled or copied, the user's own class comes back"
 
 
 def test_checkpointer_refuses_a_sampler_that_draws_anew_every_pass(tmp_path, stop_signals_restored):
