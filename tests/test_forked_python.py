@@ -105,3 +105,34 @@ def test_torchrun_forked_runs_and_fails_its_worker_as_a_fresh_one(tmp_path):
                               runner=("torchrun", "--standalone", "--nproc_per_node=1"))
     assert forked[:2] == fresh[:2]
     assert fresh[0] == 1 and "argv" in fresh[1], fresh
+
+
+def test_a_server_started_past_1024_descriptors_still_forks(tmp_path):
+    """A long run's pytest worker can hold over 1,024 descriptors when it starts a server for a new start-up
+    environment: the server's sockets then have numbers select() refuses ("filedescriptor out of range", seen as a
+    test's setup error). It waits with a selector: the script runs and exits as it would."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open descriptors is {hard}: cannot hold 1,100")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = []
+    try:
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        script = tmp_path / "hello.py"
+        script.write_text("print('hello from past 1024')\n")
+        environ = {**os.environ, "PYTHONHASHSEED": "1024"}  # a start-up environment of its own: a new server
+        forked = None
+        for _ in range(2):  # a server starts at the second request for its start-up environment
+            forked = forked_python.start([sys.executable, str(script)], str(tmp_path), environ, False,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            if forked is not None:
+                break
+        assert isinstance(forked, forked_python.ForkedProcess), "the second request was not forked"
+        out, err = forked.communicate(timeout=60)
+        assert (forked.returncode, out) == (0, "hello from past 1024\n"), err
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
