@@ -639,7 +639,7 @@ def _devices_hint(error: str) -> str:
 
 def _accums(accum: int | Callable[[], int], world_sizes: tuple[int, ...], batch_size: int) -> dict[int, int]:
     """The accumulation count at each world size; a formula must keep the global batch."""
-    if not world_sizes or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in world_sizes):
+    if not world_sizes or not all(map(_counting, world_sizes)):
         raise ValueError(f"world_sizes must be integers >= 1, got: {world_sizes!r}")
     counts = {world: _accum_for(accum, world) for world in world_sizes}
     global_batches = {world: count * world * batch_size for world, count in counts.items()}
@@ -655,7 +655,7 @@ def _accum_for(accum: int | Callable[[], int], world: int) -> int:
     """The accumulation count at ``world``: an int, or the user's formula evaluated as on ``world`` nodes of one
     process each (where torch.cuda.device_count() and LOCAL_WORLD_SIZE count one node's GPUs, not the world)."""
     if not callable(accum):
-        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        if not _counting(accum):
             raise ValueError(f"accum must be an integer >= 1 or a function returning one, got: {accum!r}")
         return accum
     saved = {name: os.environ.get(name) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
@@ -672,7 +672,7 @@ def _accum_for(accum: int | Callable[[], int], world: int) -> int:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if not _counting(count):
         raise AssertionError(f"the accumulation formula returned {count!r} at world size {world}: it must be an "
                              "integer >= 1; likely cause: it divides by a count of one node's GPUs "
                              "(torch.cuda.device_count(), LOCAL_WORLD_SIZE) instead of the world size")
@@ -688,7 +688,7 @@ def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...],
             _check_importable(arg, getattr(spec, arg))
     for arg in ("steps", "batch_size"):
         value = getattr(spec, arg)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _counting(value):
             raise ValueError(f"{arg} must be an integer >= 1, got: {value!r}")
     options = set(inspect.signature(DDP.__init__).parameters) - {"self", "module", "device_ids", "output_device",
                                                                   "process_group", "device_mesh"}
@@ -710,6 +710,11 @@ def _check_inputs(front: str, spec: _Spec, world_sizes: tuple[int, ...],
     if spec.disable_dropout:
         return _without_dropout(model), data
     return model, data
+
+
+def _counting(value: Any) -> bool:
+    """Whether ``value`` is a count of at least one: an int, not a bool (True is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _check_importable(arg: str, fn: Any) -> None:
