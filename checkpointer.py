@@ -126,8 +126,8 @@ class Checkpointer:
         # A snapshot holds both: refuse what it could not read back now, not at the first save hours later.
         distributed.check_weights_only(self.settings, "Checkpointer: settings")
         distributed.check_weights_only(_state_dicts(self.state), "Checkpointer: state")
-        if self._per_step and (sampler := _loader_sampler(loader)) is not None:
-            _resumable(sampler, refuse_random=bool(self.path))  # a mid-epoch snapshot must resume
+        sampler = _loader_sampler(loader)  # a mid-epoch snapshot must be one the same command resumes
+        self._skips = bool(self._per_step) and sampler is not None and _resumable(sampler, bool(self.path))
         # iter(loader) draws the workers' base seed from loader.generator, else from the global generator: a
         # resume that starts an epoch's iterator mid-epoch would shift every later draw (dropout, augmentation).
         if loader is not None and getattr(loader, "generator", False) is None:
@@ -151,8 +151,8 @@ class Checkpointer:
         for epoch in range(self.epoch, epochs):
             self.epoch = epoch
             done = self.epoch_steps * self._per_step
-            if hasattr(sampler, "_start_at"):
-                sampler._start_at(self.epoch, done)
+            if self._skips:  # data_sampler's refuses a skip past this rank's share: an epoch's short last step
+                sampler.set_epoch(self.epoch, skip=min(done, getattr(sampler, "num_samples", done)))
             elif self.epoch_steps:  # else the rest of the epoch would silently start over
                 raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only a loader with a sampler and "
                                  "a batch size can start there, e.g. loader=DataLoader(data, batch_size=..., "
@@ -244,14 +244,13 @@ class Checkpointer:
         # after the next save replaces it (on NFS a hidden .nfs file of its size).
         for per_parameter in (self.optimizer.state.values() if self.optimizer is not None else ()):
             per_parameter.update(_unmapped(dict(per_parameter)))
-        ranks = _unmapped(saved["ranks"])
-        rank = distributed.get_rank()
-        _restore_rngs(ranks, rank)
+        ranks, rank = saved["ranks"], distributed.get_rank()
+        _restore_rngs(ranks, rank)  # set_rng_state and friends copy what they are given
         if ranks[rank % len(ranks)].get("loader_rng") is not None and self._loader_rng is not None:
-            self._loader_rng = ranks[rank % len(ranks)]["loader_rng"]
+            self._loader_rng = ranks[rank % len(ranks)]["loader_rng"].clone()
         # The user's state: each rank its own; at another world size rank 0's (a per-rank sum cannot be split).
         mine = ranks[rank] if len(ranks) == distributed.get_world_size() else ranks[0]
-        for key, value in mine["state"].items():
+        for key, value in _unmapped(mine["state"]).items():
             _check_scaler(self.path, key, self.state.get(key), value)
             self.state[key] = _restored(self.state.get(key), value)
         self.epoch = saved["epoch"]
@@ -398,44 +397,42 @@ def _loader_sampler(loader: Any) -> Any:
     return sampler
 
 
-def _resumable(sampler: Any, refuse_random: bool) -> None:
-    """Let a Checkpointer start a loader's sampler mid-epoch, the first ``done`` indices of its epoch's order skipped
-    (never loaded): its class is swapped, on this one object, for a subclass with ``_start_at(epoch, done)``.
-    distributed.data_sampler's skips itself (set_epoch's ``skip``); any other sampler must give one order per
-    epoch (torch's DistributedSampler, a repeated-augmentation sampler); one that draws a new order at every pass
-    is refused where there are snapshots to resume."""
-    if hasattr(sampler, "_start_at"):
-        return
-    cls = type(sampler)
-    skips = "skip" in inspect.signature(getattr(sampler, "set_epoch", lambda: None)).parameters
-    if not skips and not _deterministic(sampler):
+def _resumable(sampler: Any, refuse_random: bool) -> bool:
+    """Whether a Checkpointer can start ``sampler`` mid-epoch through ``set_epoch(epoch, skip=k)``, as
+    distributed.data_sampler's starts: the first k indices of the epoch's order skipped, never loaded. A sampler of
+    the user's own whose order depends only on set_epoch (torch's DistributedSampler, a repeated-augmentation
+    sampler) is given that skip: its class is swapped, on this one object, for a subclass. One that draws a new
+    order at every pass is refused where there are snapshots to resume."""
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if set_epoch is not None and "skip" in inspect.signature(set_epoch).parameters:
+        return True
+    if not _deterministic(sampler):
         if not refuse_random:  # no snapshot path: nothing to resume
-            return
-        raise ValueError(f"Checkpointer: the loader's sampler ({cls.__name__}) draws a new order at every pass, so a "
-                         "snapshot saved mid-epoch (at a stop signal) could not resume where it stopped. Use "
-                         "sampler=distributed.data_sampler(data, shuffle=True), or give your sampler an order that "
-                         "depends only on set_epoch(epoch) (a generator seeded from seed + epoch in __iter__)")
+            return False
+        raise ValueError(f"Checkpointer: the loader's sampler ({type(sampler).__name__}) draws a new order at every "
+                         "pass, so a snapshot saved mid-epoch (at a stop signal) could not resume where it stopped. "
+                         "Use sampler=distributed.data_sampler(data, shuffle=True), or give your sampler an order "
+                         "that depends only on set_epoch(epoch) (a generator seeded from seed + epoch in __iter__)")
+    cls = type(sampler)
 
-    def _start_at(self: Any, epoch: int, done: int) -> None:
-        if skips:
-            cls.set_epoch(self, epoch, skip=min(done, self.num_samples))
-            return
+    def set_epoch_skipping(self: Any, epoch: int, skip: int = 0) -> None:
         if hasattr(cls, "set_epoch"):
             cls.set_epoch(self, epoch)
-        self.skip = min(done, cls.__len__(self))
+        self.skip = min(skip, cls.__len__(self))
 
     def __iter__(self: Any) -> Iterator[int]:
-        return itertools.islice(cls.__iter__(self), getattr(self, "skip", 0) if not skips else 0, None)
+        return itertools.islice(cls.__iter__(self), self.skip, None)
 
     def __len__(self: Any) -> int:
-        return cls.__len__(self) - (getattr(self, "skip", 0) if not skips else 0)
+        return cls.__len__(self) - self.skip
 
     def __reduce_ex__(self: Any, protocol: int) -> tuple:  # pickled and copied as the user's own class, no skip
         return _bare, (cls,), {key: value for key, value in vars(self).items() if key != "skip"}
 
-    body = {"__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_start_at": _start_at,
-            "__iter__": __iter__, "__len__": __len__, "__reduce_ex__": __reduce_ex__}
+    body = {"__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__, "skip": 0,
+            "set_epoch": set_epoch_skipping, "__iter__": __iter__, "__len__": __len__, "__reduce_ex__": __reduce_ex__}
     sampler.__class__ = type(cls.__name__, (cls,), body)
+    return True
 
 
 def _bare(cls: type) -> Any:
