@@ -1679,8 +1679,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py",
                   "seeded_dataset.py", "sync_batchnorm.py", "sharded_stream.py")
 # This project's functions that wait for every rank: a rank inside one is waiting for its peers.
-_COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested",
-                       "_all_reduced")
+_COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested")
 # Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.
 _COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
@@ -108,23 +107,13 @@ class _ExactSyncBatchNorm(_BatchNorm):
 
 class _AllReduceSum(torch.autograd.Function):
     """A sum over the ranks that gradients flow through: every rank's loss depends on the sum, so each rank's input
-    gets the sum of the ranks' gradients (torch.distributed.nn's all_reduce does this, deprecated in torch 2.13)."""
+    gets the sum of the ranks' gradients (torch.distributed.nn's all_reduce does this, deprecated in torch 2.13).
+    distributed.reduce moves a CPU tensor through the GPU under nccl (a model kept on the CPU in a GPU job)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return _all_reduced(tensor)
+        return distributed.reduce(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduced(grad)
-
-
-def _all_reduced(tensor: torch.Tensor) -> torch.Tensor:
-    """A summed copy; under nccl a CPU tensor (a model kept on the CPU in a GPU job) travels through its GPU."""
-    total = tensor.contiguous().clone()
-    if dist.get_backend() == "nccl" and not total.is_cuda:
-        wire = total.cuda()
-        dist.all_reduce(wire)
-        return wire.to(total.device)
-    dist.all_reduce(total)
-    return total
+        return distributed.reduce(grad)
