@@ -401,8 +401,8 @@ def __getattr__(name: str) -> Any:
 def start_workers(worker: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str] | None = None) -> _Workers:
     """Start ``worker(local_rank, nprocs, *args)`` in ``nprocs`` local processes and return at once:
     launch()'s own start, for tools that keep ranks running (ddp_check's pools). ``env`` adds to each
-    worker's environment. The handle's ``close()`` stops every worker (SIGTERM, then SIGKILL); its ``processes``
-    are theirs (multiprocessing's Process objects, in rank order)."""
+    worker's environment. The handle's ``join()`` waits and raises the root cause of the first failure,
+    ``close()`` stops every worker (SIGTERM, then SIGKILL), ``processes`` are theirs."""
     _resolve_nprocs(nprocs, 0)  # an integer >= 1
     return _Workers(worker, nprocs, args, env)
 
@@ -1200,10 +1200,11 @@ class _Workers:
             p.start()
             self.processes.append(p)
 
-    def join(self, stopping: _Stopping) -> None:
+    def join(self, stopping: _Stopping | None = None) -> None:
         """Wait for every rank; on the first failure stop the rest and raise the root cause. A rank that exits
         with a stop's code, or dies of a signal ``stopping`` forwarded, did not fail; one that ``stopping`` had to
-        kill after its grace did: its unsaved work is lost."""
+        kill after its grace did: its unsaved work is lost. start_workers' callers join with no forwarder."""
+        stopping = stopping or _Stopping(grace=0.0)
         pending = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):

@@ -1168,3 +1168,20 @@ def test_under_torchrun_kill_quit_prints_a_ranks_stack_and_it_keeps_running(job)
     code, out, err = j.finish()
     assert "(most recent call first)" in err and 'job.py", line' in err and "in worker" in err, err
     assert j.leftovers() == []
+
+
+def rank_1_raises(local_rank: int, world_size: int) -> None:
+    if local_rank == 1:
+        raise KeyError("rank 1's own error")
+
+
+@pytest.mark.slow
+def test_start_workers_join_raises_the_root_cause_with_no_forwarder():
+    """start_workers()'s handle, as a tool keeping ranks of its own uses it: join() with no stop forwarder waits and
+    raises the failing rank's own exception (launch() passes its forwarder; the handle's contract is unchanged)."""
+    workers = distributed.start_workers(rank_1_raises, 2)
+    try:
+        with pytest.raises(KeyError, match="rank 1's own error"):
+            workers.join()
+    finally:
+        workers.close()
