@@ -98,12 +98,12 @@ def test_numpy_and_an_owned_generator_in_workers_resume_bitwise(tmp_path):
 @pytest.mark.slow
 def test_a_sampler_of_the_users_own_resumes_mid_epoch_bitwise(tmp_path):
     """A repeated-augmentation sampler of the script's own (each index 3 times an epoch, its order a function of
-    set_epoch, no skip of its own), seeded augmentation in 2 loader workers, stopped mid-epoch (one process: the
-    sampler's skip is the rank's own; world 2's sharded skip is data_sampler's, proven above): the
-    resumed run starts the sampler's order after the samples done, every step trains on the uninterrupted run's
+    set_epoch, no skip of its own), dropout 0.2 and seeded augmentation in 2 loader workers, stopped mid-epoch
+    (one process: the sampler's skip is the rank's own; world 2's sharded skip is data_sampler's, proven above):
+    the resumed run starts the sampler's order after the samples done, every step trains on the uninterrupted run's
     samples and the weights are bitwise its. Before, the Checkpointer saved the mid-epoch snapshot and then refused
     to start from it."""
-    flags = ["--augment", "seeded", "--workers", "2", "--sampler", "repeated"]
+    flags = ["--dropout", "0.2", "--augment", "seeded", "--workers", "2", "--sampler", "repeated"]
     steps, model = stop_and_resume(tmp_path, flags, batch=96, world=1)
     expected_steps, expected_model = trained(tmp_path, "straight.pt")
     assert sorted(steps) == sorted(expected_steps) == list(range(1, 17))  # 768 of 256 x 3 samples, 96 a step

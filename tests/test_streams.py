@@ -83,7 +83,9 @@ def test_evaluation_goes_on_with_none_until_every_rank_is_done(pools, every):
 def task_with_ddp_accumulation_syncbn_checkpointer(spec: dict) -> dict:
     rank = distributed.get_rank()
     torch.manual_seed(0)
-    model = sync_batchnorm(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))).double()
+    model = sync_batchnorm(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 1)))
+    model = model.double()
+    torch.manual_seed(100 + rank)  # dropout masks of each rank's own, as a real loop draws them
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ckpt = Checkpointer(None, model, optimizer, check_every=1)  # its own all-reduce after every optimizer step
     ddp, accum = DDP(model), 2
@@ -106,8 +108,9 @@ def task_with_ddp_accumulation_syncbn_checkpointer(spec: dict) -> dict:
 
 def test_stop_together_composes_with_no_sync_sync_batchnorm_and_a_checkpointer(pools):
     """DDP with accumulation under no_sync (the stop can cut a group), synchronized BatchNorm (a collective in every
-    forward), a reduce of the loss and a Checkpointer's stop check after each optimizer step, over 2 epochs of
-    uneven streams: no rank waits, every rank ran the same optimizer steps and the replicas are bitwise equal."""
+    forward), dropout drawn per rank, a reduce of the loss and a Checkpointer's stop check after each optimizer
+    step, over 2 epochs of uneven streams: no rank waits, every rank ran the same optimizer steps and the replicas
+    are bitwise equal."""
     results = pools.run(3, task_with_ddp_accumulation_syncbn_checkpointer, {}, timeout=60)
     assert [r["steps"] for r in results] == [2 + 3] * 3  # 5 batches: 2 steps; 6: 3
     assert torch.equal(results[0]["weights"], results[1]["weights"])
