@@ -1010,11 +1010,10 @@ class _Sampler(DistributedSampler):
 def _refuse_iterable(dataset: Dataset, where: str) -> None:
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(f"{where}: got an IterableDataset ({type(dataset).__name__}), which has no indices to shard. "
-                        "Shard the stream in its __iter__: keep every n-th item, n = get_world_size() x the loader's "
-                        "workers, from offset get_rank() x workers + the worker's id (torch.utils.data."
-                        "get_worker_info()); and loop over stop_together(loader) (sharded_stream.py, beside this file) "
-                        "so that every rank runs the same number of steps: a rank that runs out first leaves the "
-                        "others waiting in an all-reduce")
+                        "Beside this file, sharded_stream.py has both ways: sharded_stream(shards, read, ...) deals "
+                        "shards of records to the ranks and their loader workers (the same records each step at any "
+                        "world size, exact resume); or shard it yourself in __iter__ and loop over "
+                        "stop_together(loader): a rank that runs out first then leaves none waiting in an all-reduce")
 
 
 def _unrepeatable(index: int, seeded: bool) -> str:

@@ -50,8 +50,9 @@ def seeded_dataset(dataset: Dataset, seed: int = 0) -> SeededDataset:
         raise TypeError(f"seeded_dataset: seed must be an integer, got: {seed!r}")
     if isinstance(dataset, IterableDataset):
         raise TypeError(f"seeded_dataset: got an IterableDataset ({type(dataset).__name__}), which has no indices to "
-                        "seed from: draw a stream's per-record randomness from a seed of the record's own key "
-                        "(torch.Generator().manual_seed(key)) inside its __iter__")
+                        "seed from: read it with sharded_stream(shards, read, transform=...) (sharded_stream.py), "
+                        "whose transform draws from seeds of each record's key, or loop over stop_together(loader) "
+                        "for a stream of your own")
     return SeededDataset(dataset, seed)
 
 

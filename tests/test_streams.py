@@ -1,5 +1,6 @@
-"""sharded_stream.py: ranks whose data runs out unevenly run the same steps and none is left waiting (real gloo
-worker pools of 3 ranks; a hang fails the pool's call after ddp_check.TIMEOUT_S)."""
+"""sharded_stream.py: ranks whose data runs out unevenly run the same steps and none is left waiting; a sharded
+stream trains the same records in every step at any world size and number of loader workers (real gloo worker
+pools; a hang fails the pool's call after its timeout). Its exact resume: test_random_resume.py."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import distributed
 from checkpointer import Checkpointer
-from sharded_stream import stop_together
+from sharded_stream import sharded_stream, stop_together
 from sync_batchnorm import sync_batchnorm
 
 LENGTHS = (5, 7, 6)  # batches per rank at world 3
@@ -129,3 +130,123 @@ def test_data_sampler_names_stop_together_for_a_stream():
     agree."""
     with pytest.raises(TypeError, match=r"data_sampler: got an IterableDataset \(Stream\).*stop_together"):
         distributed.data_sampler(Stream(0, 1))
+
+
+SHARDS = 30  # of 5 to 8 records: the streams run out unevenly
+
+
+def read_shard(shard: int, start: int = 0):
+    """Shard ``shard``'s records from ``start``: (id, features), id = shard * 1000 + position."""
+    for position in range(start, 5 + shard % 4):
+        yield torch.tensor(shard * 1000 + position), torch.full((2,), float(shard), dtype=torch.float64)
+
+
+def jitter(record):
+    """A random augmentation: its draws come from the generators seeded by the record's key."""
+    ident, x = record
+    return ident, x + torch.rand(2, dtype=torch.float64)
+
+
+def steps_of(stream, epochs: int = 2) -> list:
+    """Per epoch, per step, the step's (id, augmented features) rows of every rank, sorted by id."""
+    out = []
+    for _ in range(epochs):
+        steps = []
+        for ident, x in stream:
+            rows = distributed.all_gather(torch.cat([ident.double()[:, None], x], 1)).flatten(0, 1)
+            steps.append(rows[rows[:, 0].argsort()])
+        out.append((steps, stream.left_out))
+    return out
+
+
+def task_stream_steps(spec: dict) -> dict:
+    torch.manual_seed(distributed.get_rank())  # the ranks' own generators differ, as in training
+    runs = {}
+    for workers in spec["workers"]:
+        stream = sharded_stream(list(range(SHARDS)), read_shard, streams=12, global_batch=24, transform=jitter,
+                                num_workers=workers, seed=3)
+        runs[workers] = steps_of(stream)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def one_process_stream() -> list:
+    """The reference: one process reading every stream itself."""
+    stream = sharded_stream(list(range(SHARDS)), read_shard, streams=12, global_batch=24, transform=jitter, seed=3)
+    return steps_of(stream)
+
+
+@pytest.mark.parametrize("world, workers", [(1, [2]), (2, [0, 2]), (3, [0, 2]), (4, [0]), (6, [0, 2])])
+def test_every_step_trains_the_same_records_at_any_world_and_workers(pools, one_process_stream, world, workers):
+    """12 streams over 30 shards of 5 to 8 records, 24 records a step, a random augmentation per record: at worlds
+    1, 2, 3, 4 and 6 with 0 or 2 loader workers per rank (where 12 streams split whole), every step of 2 epochs
+    trains the same records, augmented bitwise alike, as one process does; every epoch ends at the same step, a new
+    deal of the shards each epoch, and the records left out are counted alike."""
+    results = [task_stream_steps({"workers": workers})] if world == 1 else pools.run(
+        world, task_stream_steps, {"workers": workers}, timeout=90)
+    reference = one_process_stream
+    assert len(reference[0][0]) == len(reference[1][0]) == 5  # a stream of two 5-record shards runs out first
+    assert not torch.equal(reference[0][0][0], reference[1][0][0])  # another deal of the shards
+    for k in workers:
+        for (steps, left), (want, want_left) in zip(results[0][k], reference, strict=True):
+            assert len(steps) == len(want) and left == want_left
+            for got, expected in zip(steps, want, strict=True):
+                assert torch.equal(got, expected)
+    ids = torch.cat([rows[:, 0] for rows in reference[0][0]])
+    assert len(ids.unique()) == len(ids)  # each record trained at most once an epoch
+
+
+def test_a_world_the_streams_do_not_split_into_is_refused_naming_those_that_work():
+    with pytest.raises(ValueError, match=r"streams=12 cannot be owned whole by 1 rank\(s\) x 5 reader\(s\).*world "
+                                         r"sizes that work are none; at world size 1, num_workers in \[0, 1, 2, 3, 4, "
+                                         r"6, 12\]"):
+        sharded_stream(list(range(SHARDS)), read_shard, streams=12, global_batch=24, num_workers=5)
+    with pytest.raises(ValueError, match=r"global_batch=25 does not split into streams=12.*of 12 \(24 or 36\)"):
+        sharded_stream(list(range(SHARDS)), read_shard, streams=12, global_batch=25)
+    with pytest.raises(ValueError, match=r"5 shard\(s\) for streams=12, and every stream needs one: use streams <= 5"):
+        sharded_stream(list(range(5)), read_shard, streams=12, global_batch=24)
+
+
+def read_nothing(shard: int):
+    return iter(())
+
+
+def test_a_reader_that_yields_nothing_is_an_error_naming_the_shard():
+    stream = sharded_stream(["a.jsonl", "b.jsonl"], read_nothing, streams=2, global_batch=2)
+    with pytest.raises(ValueError, match=r"read\('(a|b).jsonl'\) yielded no records: drop empty shards"):
+        list(stream)
+
+
+def read_unpicklable(shard: int):
+    for _ in range(4):
+        yield (lambda: shard), torch.zeros(1)
+
+
+def test_an_unpicklable_record_fails_in_the_worker_instead_of_hanging():
+    """A record a loader worker cannot send (a lambda in it) would be lost in the worker's queue, the loader
+    waiting for it forever; it is an error naming the record and the fix."""
+    stream = sharded_stream(list(range(4)), read_unpicklable, streams=2, global_batch=2, num_workers=2, collate_fn=list)
+    with pytest.raises(TypeError, match=r"a batch of records cannot be pickled to the main process.*or use "
+                                        r"num_workers=0"):
+        list(stream)
+    with pytest.raises(TypeError, match=r"read cannot be pickled to a loader worker.*top level of a module"):
+        sharded_stream(list(range(4)), lambda shard: iter(()), streams=2, global_batch=2, num_workers=2)
+
+
+def collate_counting(records: list) -> dict:
+    """A collate_fn of the user's own, with a value per batch (a mixing weight, a count) beside the records'."""
+    return {"id": torch.stack([ident for ident, _ in records]), "records": len(records)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_collate_of_the_users_own_gets_one_step_of_records_at_a_time(workers):
+    """Loader workers send several steps at once; a collate_fn is still called on one step's records, and its
+    batch reaches the loop as it made it: 6 records a step from each of 2 workers, joined, here 12."""
+    stream = sharded_stream(list(range(SHARDS)), read_shard, streams=6, global_batch=12, num_workers=workers,
+                            collate_fn=collate_counting)
+    batches = list(stream)
+    reference = [ident for ident, _ in sharded_stream(list(range(SHARDS)), read_shard, streams=6, global_batch=12)]
+    assert len(batches) == len(reference) > 4
+    for batch, ids in zip(batches, reference, strict=True):
+        assert sorted(batch["id"].tolist()) == sorted(ids.tolist())
+        assert batch["records"] == (12 if workers == 0 else [6, 6])
