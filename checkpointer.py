@@ -33,7 +33,9 @@ snapshot had keeps its generators, a new rank gets its own, so dropout cannot ma
 statistics (sync_batchnorm.py keeps them). Training meters restart at a mid-epoch resume unless their sums live in
 ``state`` (as min_ddp keeps them). A mid-epoch resume starts the loader's sampler after the samples done:
 data_sampler's, or any sampler whose order depends only on set_epoch (torch's DistributedSampler, a
-repeated-augmentation sampler); a sampler that draws a new order at every pass is refused at construction.
+repeated-augmentation sampler); a sampler that draws a new order at every pass is refused at construction. A loader
+with ``set_epoch``, ``state_dict`` and ``load_state_dict`` keeps its own position: sharded_stream.py's stream is
+saved at every snapshot (each rank's state; at another world size rank 0's) and starts where it stood.
 
 While the primary writes, the other ranks wait in a collective: a save longer than init_process_group's
 ``timeout`` (5 minutes by default) ends them; pass a ``timeout=`` above your longest save. A resume maps the
@@ -153,6 +155,8 @@ class Checkpointer:
             done = self.epoch_steps * self._per_step
             if self._skips:  # data_sampler's refuses a skip past this rank's share: an epoch's short last step
                 sampler.set_epoch(self.epoch, skip=min(done, getattr(sampler, "num_samples", done)))
+            elif _stateful(self.loader):  # it restored its own position (a sharded stream's)
+                self.loader.set_epoch(self.epoch)
             elif self.epoch_steps:  # else the rest of the epoch would silently start over
                 raise ValueError("Checkpointer: the snapshot stopped mid-epoch, and only a loader with a sampler and "
                                  "a batch size can start there, e.g. loader=DataLoader(data, batch_size=..., "
@@ -163,7 +167,7 @@ class Checkpointer:
                 sampler.set_epoch(self.epoch)
             if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):  # seeded_dataset's, whatever sampler
                 self.loader.dataset.set_epoch(self.epoch)
-            if self.epoch_steps:  # the epoch's iterator draws as it did when the epoch began
+            if self.epoch_steps and self._loader_rng is not None:  # its iterator draws as when the epoch began
                 self.loader.generator.set_state(self._loader_rng)
             self._loader_rng = self._loader_generator_state()
             yield self.epoch
@@ -220,8 +224,10 @@ class Checkpointer:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = torch.cuda.get_rng_state()
+        loader_state = self.loader.state_dict() if _stateful(self.loader) else None  # a collective, maybe
         ranks = _gather_to_primary({"rng": torch.get_rng_state(), "cuda_rng": cuda, "loader_rng": self._loader_rng,
-                                    **_host_generators(), "state": _state_dicts(self.state)})
+                                    **_host_generators(), "state": _state_dicts(self.state),
+                                    "loader_state": loader_state})
         self._saved_at = time.monotonic()
         distributed.save_checkpoint({"model": self.model.state_dict(),
                                      "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -253,6 +259,8 @@ class Checkpointer:
         for key, value in _unmapped(mine["state"]).items():
             _check_scaler(self.path, key, self.state.get(key), value)
             self.state[key] = _restored(self.state.get(key), value)
+        if mine.get("loader_state") is not None and _stateful(self.loader):
+            self.loader.load_state_dict(_unmapped(mine["loader_state"]))
         self.epoch = saved["epoch"]
         self.steps = saved["steps"]
         self.epoch_steps = saved["epoch_steps"]
@@ -387,6 +395,11 @@ def _checked_arguments(path: str | os.PathLike | None, loader: Any, batch_size: 
         raise RuntimeError("Checkpointer: no process group yet; construct it after "
                            "distributed.init_process_group()")
     return batch_size
+
+
+def _stateful(loader: Any) -> bool:
+    """A loader that saves and restores its own position (sharded_stream's): set_epoch, state_dict, load_state_dict."""
+    return all(callable(getattr(loader, name, None)) for name in ("set_epoch", "state_dict", "load_state_dict"))
 
 
 def _loader_sampler(loader: Any) -> Any:

@@ -1,10 +1,11 @@
-"""Exact resume with real training's randomness (checkpointer.Checkpointer, distributed.seeded_dataset).
+"""Exact resume with real training's randomness (checkpointer.Checkpointer, seeded_dataset.py, sharded_stream.py).
 
 rank_scripts/random_loop.py trains 2 epochs over data_sampler with a random augmentation in __getitem__ (torch's
 global generator, as torchvision's transforms draw), optionally dropout, DataLoader workers and gradient
 accumulation; rank 1 signals itself mid-epoch, and the same command resumes. Each run's rank 0 logs what every
 global step trained on (every rank's (index, input) rows, sorted by index), so a resumed run is compared with an
 uninterrupted one step by step, at the same or at another world size, and by its final weights.
+rank_scripts/stream_loop.py does the same over sharded_stream with its augmentation in 2 loader workers per rank.
 """
 from __future__ import annotations
 
@@ -167,6 +168,79 @@ def test_seeded_augmentation_in_workers_resumes_to_the_same_data(seeded_runs, se
         assert_bitwise_equal(model, expected_model, "final model")
     for key, value in expected_model.items():
         torch.testing.assert_close(model[key], value, rtol=1e-9, atol=1e-9)
+
+
+def start_stream_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, stop: int, *flags: str
+                      ) -> subprocess.Popen:
+    command = [sys.executable, str(SCRIPTS / "stream_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
+               str(nprocs), str(stop), "--workers", "2", *flags]
+    return start(command, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def stream_runs(tmp_path_factory) -> Path:
+    """rank_scripts/stream_loop.py at world 2, 2 loader workers per rank, no dropout: an uninterrupted run
+    (straight.pt) and one stopped by SIGUSR1 after 0 epochs and 7 steps (snap.pt; its reads in stopped.reads)."""
+    tmp = tmp_path_factory.mktemp("stream")
+    straight, stopped = at_once([start_stream_loop(tmp, "never.pt", "straight.pt", 2, 0),
+                                 start_stream_loop(tmp, "snap.pt", "resumed.pt", 2, 7)])
+    assert straight.returncode == 0, straight.stderr
+    assert stopped.returncode == 138 and "after 0 epochs and 7 steps" in stopped.stdout, stopped.stderr
+    return tmp
+
+
+def read_calls(path: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_sharded_stream_stopped_mid_epoch_resumes_bitwise_in_workers(tmp_path):
+    """A sharded stream (12 streams, 30 shards of unequal size) read by 2 loader workers per rank at world 2, a
+    random augmentation per record in the workers, dropout 0.2 in the ranks, stopped by SIGUSR1 mid-epoch and
+    resumed after 12 steps: every step trains the uninterrupted run's records, augmented alike, and the weights are
+    bitwise its. The resumed stream opens no shard the stopped run had trained whole, and starts each stream's
+    shard at the first record not trained, through read(shard, start) (tried: a state without the positions
+    restarts the epoch and fails)."""
+    flags = ["--dropout", "0.2"]
+    straight, stopped = at_once([start_stream_loop(tmp_path, "never.pt", "straight.pt", 2, 0, *flags),
+                                 start_stream_loop(tmp_path, "snap.pt", "resumed.pt", 2, 12, *flags)])
+    assert straight.returncode == 0, straight.stderr
+    assert stopped.returncode == 138 and "stopped by SIGUSR1 after 0 epochs and 12 steps" in stopped.stdout
+    before = torch.load(tmp_path / "resumed.pt.steps")
+    (tmp_path / "resumed.pt.reads").unlink()
+    resumed = at_once([start_stream_loop(tmp_path, "snap.pt", "resumed.pt", 2, 0, *flags)])[0]
+    assert resumed.returncode == 0, resumed.stderr
+    assert "after 0 epochs and 12 steps (saved at world size 2)" in resumed.stdout, resumed.stdout
+    steps, model = trained(tmp_path, "resumed.pt")
+    expected_steps, expected_model = trained(tmp_path, "straight.pt")
+    assert sorted(steps) == sorted(expected_steps) and len(steps) > 30
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    assert_bitwise_equal(model, expected_model, "final model")
+    done = torch.cat([rows[:, 0] for rows in before.values()]).long().tolist()
+    whole = {shard for shard in range(30) if sum(1 for i in done if i // 1000 == shard) == 20 + shard % 8}
+    first = read_calls(tmp_path / "resumed.pt.reads")[:12]  # each stream's first read after the resume
+    assert whole and not whole & {shard for shard, _ in first}, (whole, first)  # 24 records a stream: the first
+    assert [start for _, start in first] == [sum(1 for i in done if i // 1000 == shard) for shard, _ in first]
+
+
+@pytest.mark.slow
+def test_a_sharded_stream_resumes_at_another_world_on_the_same_records(stream_runs):
+    """Stopped at world 2 (2 loader workers each), resumed at world 3 (2 each: 6 readers of the 12 streams) with
+    the same global batch: every remaining step trains the same records, augmented bitwise alike, as the
+    uninterrupted world-2 run, and the weights end within float64 rounding of it (the gradient sums add in
+    another order: 1e-12)."""
+    directory = stream_runs / "world-3"
+    directory.mkdir()
+    shutil.copy(stream_runs / "snap.pt", directory / "snap.pt")
+    shutil.copy(stream_runs / "resumed.pt.steps", directory / "resumed.pt.steps")
+    resumed = at_once([start_stream_loop(directory, "snap.pt", "resumed.pt", 3, 0)])[0]
+    assert resumed.returncode == 0, resumed.stderr
+    assert "after 0 epochs and 7 steps (saved at world size 2)" in resumed.stdout, resumed.stdout
+    steps, model = trained(directory, "resumed.pt")
+    expected_steps, expected_model = trained(stream_runs, "straight.pt")
+    assert_bitwise_equal(steps, expected_steps, "what each step trained on")
+    for key, value in expected_model.items():
+        torch.testing.assert_close(model[key], value, rtol=1e-12, atol=1e-12)
 
 
 def test_a_resumed_optimizer_keeps_its_state_where_a_fresh_one_does(tmp_path, stop_signals_restored):
