@@ -8,6 +8,7 @@
     python bench/bench.py --world3         # only world 3: what bitwise resume costs
     python bench/bench.py --items          # only seeded_dataset's cost per item read
     python bench/bench.py --streams        # only stop_together's cost per step of min_ddp's loop, world 2
+    python bench/bench.py --sharded        # only sharded_stream's records/s against a stream sharded by hand
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -41,14 +42,14 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the library this measures sits one folder up, as in the repository
 import distributed as dist  # noqa: E402
 from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
 from seeded_dataset import seeded_dataset  # noqa: E402
-from sharded_stream import stop_together  # noqa: E402
+from sharded_stream import sharded_stream, stop_together  # noqa: E402
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
@@ -201,6 +202,66 @@ def streams_worker(local_rank: int, world_size: int, steps: int, runs: int, resu
             start = time.perf_counter()
             train_steps(ddp_model, wrap(loader), optimizer)
             pair.append(dist.reduce(time.perf_counter() - start, "max").item() / steps)
+        pairs.append(pair)
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump(pairs, f)
+    dist.cleanup()
+
+
+SHARD_FILES, SHARD_RECORDS, RECORD_FLOATS = 24, 4000, 32
+
+
+def write_shards(directory: str) -> list[str]:
+    """24 text shards of 4,000 records: a label and 32 numbers per line, as JSON-lines or CSV shards hold them."""
+    paths, gen = [], torch.Generator().manual_seed(0)
+    for shard in range(SHARD_FILES):
+        values = torch.randn(SHARD_RECORDS, RECORD_FLOATS, generator=gen).tolist()
+        path = os.path.join(directory, f"shard{shard:02}.csv")
+        with open(path, "w") as f:
+            f.writelines(f"{i % 10}," + ",".join(f"{v:.6f}" for v in row) + "\n" for i, row in enumerate(values))
+        paths.append(path)
+    return paths
+
+
+def read_shard(path: str, start: int = 0):
+    """A shard's records from ``start`` (lines before it skipped, not parsed): (input, label)."""
+    with open(path) as f:
+        for line in itertools.islice(f, start, None):
+            label, *values = line.split(",")
+            yield torch.tensor([float(v) for v in values]), int(label)
+
+
+class ByHand(IterableDataset):
+    """The stream sharded by hand, as users write it: every (world x workers)-th file, from this reader's offset."""
+
+    def __init__(self, paths: list[str], workers: int):
+        self.paths, self.workers = paths, workers
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        reader = dist.get_rank() * self.workers + (info.id if info else 0)
+        for path in self.paths[reader::dist.get_world_size() * self.workers]:
+            yield from read_shard(path)
+
+
+def sharded_worker(local_rank: int, world_size: int, paths: list[str], runs: int, result: str) -> None:
+    """Every record of the shards read at world 2 with 2 loader workers a rank, by hand and through sharded_stream,
+    alternating; writes [by hand, sharded_stream] records/s of the whole job (the slowest rank's time) per run."""
+    dist.init_process_group(local_rank, world_size)
+    batch = 120  # 240 a step: 20 records from each of 12 streams
+    loaders = {"hand": DataLoader(ByHand(paths, 2), batch_size=batch, num_workers=2),
+               "ours": sharded_stream(paths, read_shard, streams=12, global_batch=batch * world_size, num_workers=2)}
+    pairs = []
+    for _ in range(runs):
+        pair = []
+        for name in ("hand", "ours"):
+            dist.barrier()
+            start, records = time.perf_counter(), 0
+            for x, _ in loaders[name]:
+                records += len(x)
+            seconds = dist.reduce(time.perf_counter() - start, "max").item()
+            pair.append(dist.reduce(records).item() / seconds)
         pairs.append(pair)
     if dist.is_primary():
         with open(result, "w") as f:
@@ -495,6 +556,7 @@ def main() -> None:
     p.add_argument("--world3", action="store_true", help="only world 3: what bitwise resume costs")
     p.add_argument("--items", action="store_true", help="only seeded_dataset's cost per item read")
     p.add_argument("--streams", action="store_true", help="only stop_together's cost per step of min_ddp's loop")
+    p.add_argument("--sharded", action="store_true", help="only sharded_stream's records/s against one by hand")
     p.add_argument("--start-rank", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
@@ -525,6 +587,15 @@ def main() -> None:
               f"{statistics.median(w for _, w in pairs) * 1e3:.2f} ms wrapped; added: median "
               f"{statistics.median(added) * 100:+.2f}% (pairs: {added[0] * 100:+.2f}% to {added[-1] * 100:+.2f}%; "
               "target <= 1%)")
+        return None
+    if args.sharded:
+        with tempfile.TemporaryDirectory() as tmp:
+            pairs = run_launched(sharded_worker, 2, write_shards(tmp), args.runs)
+        ratios = sorted(ours / hand for hand, ours in pairs)
+        print(f"sharded_stream, world 2, 2 loader workers a rank, {SHARD_FILES} CSV shards of {SHARD_RECORDS} records "
+              f"({len(pairs)} pairs, alternating): by hand {statistics.median(h for h, _ in pairs):,.0f} records/s, "
+              f"sharded_stream {statistics.median(o for _, o in pairs):,.0f}; ratio: median "
+              f"{statistics.median(ratios):.3f} (pairs {ratios[0]:.3f} to {ratios[-1]:.3f}; target >= 0.9)")
         return None
     if args.save:
         found = run_launched(save_worker, 2, 2 * args.runs + 1)
