@@ -4,6 +4,9 @@ pools; a hang fails the pool's call after its timeout). Its exact resume: test_r
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import os
 
 import pytest
 import torch
@@ -250,3 +253,36 @@ def test_a_collate_of_the_users_own_gets_one_step_of_records_at_a_time(workers):
     for batch, ids in zip(batches, reference, strict=True):
         assert sorted(batch["id"].tolist()) == sorted(ids.tolist())
         assert batch["records"] == (12 if workers == 0 else [6, 6])
+
+
+def read_jsonl(path: str, start: int = 0):
+    """A JSON-lines shard's records from ``start``; each open is logged beside the shards (one line a call)."""
+    with open(os.path.join(os.path.dirname(path), "opens.log"), "a") as log:
+        log.write(f"{os.path.basename(path)} {start}\n")
+    with open(path) as f:
+        for line in itertools.islice(f, start, None):
+            record = json.loads(line)
+            yield torch.tensor(record["id"]), torch.tensor(record["x"], dtype=torch.float64)
+
+
+def task_jsonl_epoch(spec: dict) -> dict:
+    stream = sharded_stream(spec["paths"], read_jsonl, streams=12, global_batch=24, num_workers=2)
+    ids = [distributed.all_gather(ident).flatten() for ident, _ in stream]
+    return {"ids": ids, "left_out": stream.left_out, "steps": stream.steps}
+
+
+def test_jsonl_files_on_disk_are_each_opened_once_and_every_record_trained_once(pools, tmp_path):
+    """24 JSON-lines shards of 10 records written to disk, read at world 3 with 2 loader workers per rank: one epoch
+    opens each file exactly once (in one process), trains each of the 240 records exactly once in 10 steps of 24,
+    and leaves nothing out (equal shards)."""
+    paths = []
+    for shard in range(24):
+        path = tmp_path / f"part-{shard:03}.jsonl"
+        path.write_text("".join(json.dumps({"id": shard * 100 + i, "x": [shard, i]}) + "\n" for i in range(10)))
+        paths.append(str(path))
+    results = pools.run(3, task_jsonl_epoch, {"paths": paths}, timeout=90)
+    opens = (tmp_path / "opens.log").read_text().split("\n")[:-1]
+    assert sorted(opens) == sorted(f"part-{shard:03}.jsonl 0" for shard in range(24))
+    ids = torch.cat(results[0]["ids"]).tolist()
+    assert sorted(ids) == [shard * 100 + i for shard in range(24) for i in range(10)]
+    assert all(r["steps"] == 10 and r["left_out"] == 0 for r in results)
