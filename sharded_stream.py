@@ -54,9 +54,11 @@ runs on each record under torch's, Python's and (where imported) numpy's generat
 record's key: its shard's index in ``shards`` and its position there): an augmentation is then the same at any
 world size, in any worker and after a resume. ``collate_fn`` (default_collate) gets one step's records of one
 reader; with loader workers a step joins their batches: tensors concatenated, lists chained, any other value a
-list of each worker's. A worker sends 4 steps at a time. Not a DataLoader: iterate it; ``set_epoch``, ``state_dict`` and
-``load_state_dict`` (collectives) are what the Checkpointer calls. After an epoch, ``.steps`` is its steps and
-``.left_out`` the records of the step no stream could fill (what longer streams hold after it is not read).
+list of each worker's. A worker sends 4 steps at once (a tensor sent costs a connection of its own), so up to 8
+steps a worker are in flight, beside the 16 the ranks' agreement reads ahead. Not a DataLoader: iterate it (a
+pass read to its end sets the next epoch); ``set_epoch``, ``state_dict`` (a collective) and ``load_state_dict``
+are what the Checkpointer calls. After an epoch, ``.steps`` is its steps and ``.left_out`` the records of the
+step no stream could fill (what longer streams hold after it is not read).
 
 It uses only distributed.py's public names and torch; distributed.py does not import it.
 """
