@@ -432,12 +432,15 @@ def stop_signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def report_progress(text: str) -> None:
+def report_progress(text: str, kind: str = "progress") -> None:
     """Leave ``text`` (one line: the last step saved, say) where launch() reads it should it have to kill this
-    rank: after a stop signal's grace, or when it dies; the report then says what was lost. Not a collective; it
-    does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
+    rank: after a stop signal's grace, or when it dies; the report then says what was lost. ``kind="window"``: a
+    monitor's last verdict (slow_rank.py's), which the report of a collective that timed out shows. Not a
+    collective; it does nothing outside a job that launch() started (torchrun and srun print their own reports)."""
+    if kind not in ("progress", "window"):
+        raise ValueError(f"report_progress: kind must be 'progress' or 'window', got: {kind!r}")
     if files := _RankFiles.of_this_job():
-        files.write(get_rank(), "progress", text)
+        files.write(get_rank(), kind, text)
 
 
 # ------------------------------ Checkpoints: what a snapshot may hold -----------------------------
@@ -1129,8 +1132,8 @@ class _RankFiles:
     """launch()'s private job directory, the one way a rank tells its launcher something: rank<r>.<kind>, written
     by the rank, read by the launcher (never half: written to a temporary name, then renamed; faulthandler writes
     the stacks itself). Kinds: "err" (the pickled report of the exception that ended the rank), "stack"
-    (faulthandler's dumps: on request, and as the rank dies of a fatal signal), "progress" (report_progress's
-    last line), "backend" (the group's, for the hang report)."""
+    (faulthandler's dumps: on request, and as the rank dies of a fatal signal), "progress" and "window"
+    (report_progress's last lines), "backend" (the group's, for the hang report)."""
 
     def __init__(self, directory: str):
         self.dir = directory
@@ -1517,6 +1520,8 @@ def _root_cause(workers: _Workers, evidence: _Evidence, killed_at: float) -> Bas
     if evidence.stacks is not None:  # a collective timed out: where was each rank?
         tracebacks = {r: report.traceback for r, report in reports.items() if report is not None}
         error.add_note(_where_ranks_are(evidence.stacks, tracebacks, nccl=nccl))
+        if window := files.read(0, "window"):  # a monitor's last verdict (slow_rank.py): who held the others back
+            error.add_note(f"The last window before it, on rank 0: {window}")
     if nccl and (dumps := _flight_recorder_dumps(len(processes), workers.started)):
         error.add_note(f"NCCL's flight recorder wrote each rank's last collectives (pickles): {', '.join(dumps)}")
     return error
@@ -1677,7 +1682,7 @@ def _place(frames: list[tuple[str, str, str]]) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 # This project's files, beside this one: their frames are never "your code" in a report.
 _LIBRARY_FILES = ("distributed.py", "checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py",
-                  "seeded_dataset.py", "sync_batchnorm.py", "sharded_stream.py")
+                  "seeded_dataset.py", "sync_batchnorm.py", "sharded_stream.py", "slow_rank.py")
 # This project's functions that wait for every rank: a rank inside one is waiting for its peers.
 _COLLECTIVE_HELPERS = ("reduce", "all_gather", "barrier", "_all_gather_bytes", "_gather_to_primary", "stop_requested")
 # Where a rank waiting for its peers has Python frames: torch.distributed's calls, DDP's forward.

@@ -1,13 +1,12 @@
-"""Minimal data-parallel training with distributed.py: a classifier on built-in synthetic data.
+"""Minimal data-parallel training with distributed.py: a classifier on built-in synthetic data, printing each rank's
+and the global loss/accuracy every --log-every steps, and an exact validation every epoch.
 
     python min_ddp.py                                   # every visible GPU, else one CPU process
-    python min_ddp.py --nprocs 2                        # 2 gloo processes on CPU
+    python min_ddp.py --nprocs 2 --slow-rank            # 2 gloo processes on CPU; which rank holds the others back
     torchrun --standalone --nproc_per_node=2 min_ddp.py # the same script under torchrun
     srun -n 2 python min_ddp.py                         # ... and under SLURM
     python min_ddp.py --print-config > cfg.json         # the settings as JSON; edit, then --config cfg.json
     python min_ddp.py --snapshot run.pt --epochs 10     # resumes if run.pt exists; SIGTERM/USR1/USR2 save there, exit
-
-Prints each rank's and the global loss/accuracy every --log-every steps, and an exact validation every epoch.
 """
 import argparse
 import contextlib
@@ -28,6 +27,7 @@ import distributed
 from checkpointer import Checkpointer  # optional: exact resume and clean stops
 from min_ddp_cli import SettingsError, parse_args  # the flags, --config, and their checks
 from shared_memory_allreduce import shared_memory_allreduce  # optional: delete it and its line in wrap()
+from slow_rank import SlowRank  # optional: which rank the others wait for (--slow-rank)
 from sync_batchnorm import sync_batchnorm  # optional: BatchNorm on the global batch (--sync-bn)
 
 FEATURES, CLASSES, VAL_SIZE, DATA_SEED = 32, 10, 4096, 1234  # the data is fixed; --seed: the init, the order
@@ -66,7 +66,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         raise SettingsError(str(e)) from None
     if metrics["world"] != world:  # resumed at another world size: per-rank sums cannot be split; the Checkpointer
         metrics.update(unlogged=metrics["unlogged"].zero_(), world=world)  # restored rank 0's into this very tensor
-    ddp_model, allreduce = wrap(model, device, args.timeout)
+    ddp_model, allreduce, watch = wrap(model, device, args)
     backend = torch.distributed.get_backend() if world > 1 else "none"
     distributed.print_primary(f"mode={distributed.launch_mode()} world={world} backend={backend} allreduce={allreduce} "
                               f"device={device.type} threads={torch.get_num_threads()}")
@@ -74,7 +74,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     val_loss, correct, count = evaluate(model, val_loader) if ckpt.epoch >= args.epochs else (0, 0, 1)
     for epoch in ckpt.epochs(args.epochs):  # it calls sampler.set_epoch (a new shuffle; mid-epoch: what is left)
         samples += len(loader) * args.batch_size * world
-        metrics["train_loss"] = train_epoch(ddp_model, loader, optimizer, ckpt, metrics, args)
+        metrics["train_loss"] = train_epoch(ddp_model, watch, loader, optimizer, ckpt, metrics, args)
         val_loss, correct, count = evaluate(model, val_loader)
         distributed.print_primary(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc "
                                   f"{correct / count:.4f} ({correct:.0f}/{count:.0f}) | "
@@ -87,13 +87,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                               f"val_loss={val_loss:.4f} val_acc={correct / count:.4f}{speed}")
 
 
-def wrap(model: nn.Module, device: torch.device, timeout: float) -> tuple[nn.Module, str]:
-    """DDP beyond one process (gradients as views into its buckets: one copy less a step), and its all-reduce."""
+def wrap(model: nn.Module, device: torch.device, args: argparse.Namespace) -> tuple[nn.Module, str, SlowRank]:
+    """DDP beyond one process (gradients as bucket views: one copy less a step), its all-reduce, and its SlowRank."""
     if distributed.get_world_size() == 1:
-        return model, "none"
+        return model, "none", SlowRank(model)
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    shared = shared_memory_allreduce(ddp, timeout)  # CPU ranks on one host; elsewhere False, nothing changed
-    return ddp, "shared-memory" if shared else torch.distributed.get_backend()
+    watch = SlowRank(ddp, enabled=args.slow_rank)  # before the all-reduce's hook, which it wraps; alone: nothing
+    shared = shared_memory_allreduce(ddp, args.timeout)  # CPU ranks on one host; elsewhere False, nothing changed
+    return ddp, "shared-memory" if shared else torch.distributed.get_backend(), watch
 
 
 def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
@@ -104,14 +105,14 @@ def make_dataset(split: str, size: int) -> list[tuple[torch.Tensor, int]]:
     return list(zip(centers[labels] * 0.75 + torch.randn(size, FEATURES, generator=gen), labels.tolist(), strict=True))
 
 
-def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+def train_epoch(model: nn.Module, watch: SlowRank, loader: DataLoader, optimizer: torch.optim.Optimizer,
                 ckpt: Checkpointer, metrics: dict, args: argparse.Namespace) -> float:
     """The rest of this epoch, a step every --grad-accum batches; returns the epoch's global mean training loss."""
     model.train()
     device, accum = next(model.parameters()).device, args.grad_accum
     first = ckpt.epoch_steps * accum  # batches done before a mid-epoch resume (the sampler skips them)
     batches, stats = first + len(loader), metrics["unlogged"]
-    for i, (x, y) in enumerate(loader, start=first):
+    for i, (x, y) in enumerate(watch.batches(loader), start=first):  # the loader's batches, timed
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         group_start = i - i % accum  # this batch's accumulation group: its first batch,
         group = min(accum, batches - group_start)  # its size (an epoch's last group may be short),
@@ -152,8 +153,7 @@ def log_metrics(stats: torch.Tensor, where: str) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float, float]:
-    """Global validation (mean loss, correct, samples), each sample counted once. ``model`` is the plain
-    module: ranks may run different batch counts, and a DDP forward could start a collective others skip."""
+    """Global (mean loss, correct, samples), each sample once; on the plain module: ranks' batch counts differ."""
     model.eval()
     device = next(model.parameters()).device
     stats = torch.zeros(3, dtype=torch.float64, device=device)

@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     flag("--config", str, None, "settings from FILE.json, keyed by the flags' names; flags override")
     p.add_argument("--no-sync-bn", dest="sync_bn", action="store_false",
                    help="BatchNorm with each process's own batch statistics, not the global batch's")
+    p.add_argument("--slow-rank", action="store_true", help="print which rank the others wait for, and why, "
+                   "after 10 steps, then about once a minute")
     p.add_argument("--print-config", action="store_true", help="print the settings as JSON and exit")
     args = p.parse_args(argv)
     if args.config:

@@ -9,6 +9,7 @@
     python bench/bench.py --items          # only seeded_dataset's cost per item read
     python bench/bench.py --streams        # only stop_together's cost per step of min_ddp's loop, world 2
     python bench/bench.py --sharded        # only sharded_stream's records/s against a stream sharded by hand
+    python bench/bench.py --slow-rank      # only SlowRank's cost per step of min_ddp's loop, world 2
 
 An MLP 512 -> 1024 -> 1024 -> 10, batch 128 per process, SGD with momentum, data as (input, label) pairs.
 Each number is the median of --runs runs; each ratio compares numbers of the same run. min_ddp's loop
@@ -50,6 +51,7 @@ import distributed as dist  # noqa: E402
 from shared_memory_allreduce import shared_memory_allreduce  # noqa: E402
 from seeded_dataset import seeded_dataset  # noqa: E402
 from sharded_stream import sharded_stream, stop_together  # noqa: E402
+from slow_rank import SlowRank  # noqa: E402
 
 BATCH, WARMUP = 128, 10
 TARGETS = {"ddp2_vs_plain": 0.85, "ddp2_vs_raw": 1.25, "world1_vs_plain": 0.98,
@@ -201,6 +203,36 @@ def streams_worker(local_rank: int, world_size: int, steps: int, runs: int, resu
             dist.barrier()
             start = time.perf_counter()
             train_steps(ddp_model, wrap(loader), optimizer)
+            pair.append(dist.reduce(time.perf_counter() - start, "max").item() / steps)
+        pairs.append(pair)
+    if dist.is_primary():
+        with open(result, "w") as f:
+            json.dump(pairs, f)
+    dist.cleanup()
+
+
+def slow_rank_worker(local_rank: int, world_size: int, steps: int, runs: int, result: str) -> None:
+    """min_ddp's loop (shared-memory all-reduce) on two identical models, one plain and one under SlowRank's default
+    window, alternating epoch by epoch; writes [plain, watched] seconds per step (the slowest rank's) per run."""
+    dist.init_process_group(local_rank, world_size)
+    trainers = []
+    for watched in (False, True):
+        model, optimizer = bench_model()
+        ddp_model = DDP(model, gradient_as_bucket_view=True)
+        watch = SlowRank(ddp_model, enabled=watched)  # before the all-reduce's hook, which it then wraps
+        assert shared_memory_allreduce(ddp_model, 300)
+        trainers.append((ddp_model, optimizer, watch))
+    data = list(zip(*bench_data(BATCH * world_size * steps).tensors, strict=True))
+    loader = DataLoader(data, batch_size=BATCH, sampler=dist.data_sampler(data))
+    for ddp_model, optimizer, watch in trainers:
+        train_steps(ddp_model, watch.batches(loader), optimizer)  # warm-up (and SlowRank's first window)
+    pairs = []
+    for _ in range(runs):
+        pair = []
+        for ddp_model, optimizer, watch in trainers:
+            dist.barrier()
+            start = time.perf_counter()
+            train_steps(ddp_model, watch.batches(loader), optimizer)
             pair.append(dist.reduce(time.perf_counter() - start, "max").item() / steps)
         pairs.append(pair)
     if dist.is_primary():
@@ -557,6 +589,7 @@ def main() -> None:
     p.add_argument("--items", action="store_true", help="only seeded_dataset's cost per item read")
     p.add_argument("--streams", action="store_true", help="only stop_together's cost per step of min_ddp's loop")
     p.add_argument("--sharded", action="store_true", help="only sharded_stream's records/s against one by hand")
+    p.add_argument("--slow-rank", action="store_true", help="only SlowRank's cost per step of min_ddp's loop")
     p.add_argument("--start-rank", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # the trivial job, run as a command
     p.add_argument("--fail-file", default=None, help=argparse.SUPPRESS)
@@ -585,6 +618,15 @@ def main() -> None:
         print(f"stop_together, world 2, min_ddp's loop ({len(pairs)} epoch pairs of {args.steps} steps, alternating): "
               f"a step {statistics.median(p for p, _ in pairs) * 1e3:.2f} ms plain, "
               f"{statistics.median(w for _, w in pairs) * 1e3:.2f} ms wrapped; added: median "
+              f"{statistics.median(added) * 100:+.2f}% (pairs: {added[0] * 100:+.2f}% to {added[-1] * 100:+.2f}%; "
+              "target <= 1%)")
+        return None
+    if args.slow_rank:
+        pairs = run_launched(slow_rank_worker, 2, args.steps, 2 * args.runs + 1)
+        added = sorted(watched / plain - 1 for plain, watched in pairs)
+        print(f"SlowRank, world 2, min_ddp's loop ({len(pairs)} epoch pairs of {args.steps} steps, alternating): "
+              f"a step {statistics.median(p for p, _ in pairs) * 1e3:.2f} ms plain, "
+              f"{statistics.median(w for _, w in pairs) * 1e3:.2f} ms watched; added: median "
               f"{statistics.median(added) * 100:+.2f}% (pairs: {added[0] * 100:+.2f}% to {added[-1] * 100:+.2f}%; "
               "target <= 1%)")
         return None

@@ -13,7 +13,7 @@ import distributed
 
 HERE = Path(__file__).resolve().parent.parent
 BESIDE = ["checkpointer.py", "ddp_check.py", "shared_memory_allreduce.py", "seeded_dataset.py", "sync_batchnorm.py",
-          "sharded_stream.py"]
+          "sharded_stream.py", "slow_rank.py"]
 
 
 def imported_modules(tree: ast.AST) -> set[str]:

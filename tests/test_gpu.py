@@ -93,6 +93,17 @@ def test_every_helper_works_with_cuda_and_cpu_tensors(tmp_path, backend, torchru
     assert leftover_processes(marker) == []
 
 
+@pytest.mark.parametrize("backend", [pytest.param("nccl", marks=two_gpus), "gloo"], ids=["nccl", "gloo-cuda-tensors"])
+def test_slow_rank_names_the_late_rank_from_cuda_events(tmp_path, backend):
+    """SlowRank on CUDA times the all-reduce's wait with events read once a window: rank 1, which starts each
+    backward 50 ms late, is named with compute in each of the 3 windows, and the job ends cleanly."""
+    out, marker, _ = start_job(tmp_path, backend, str(tmp_path / "s.pt"), "slow-rank", torchrun=2)
+    assert out.returncode == 0, out.stderr
+    lines = re.findall(r"^\[slow rank\] .*$", out.stdout, re.M)
+    assert len(lines) == 3 and all("rank 1 (" in line and "its compute" in line for line in lines), out.stdout
+    assert leftover_processes(marker) == []
+
+
 def test_stop_signal_on_nccl_ranks_saves_mid_epoch_resume_is_bitwise(tmp_path):
     """Checkpointer under nccl: the stop check's all-reduce, every rank's CUDA RNG in the snapshot, and a
     mid-epoch resume on one rank per GPU that ends with the uninterrupted run's model: bitwise on 1 or 2 GPUs,

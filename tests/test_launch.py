@@ -1088,6 +1088,19 @@ def test_hung_rank_is_named_at_its_line_and_waiting_rank_at_its_call(job, tmp_pa
 
 
 @pytest.mark.slow
+def test_the_hang_report_adds_the_last_slow_rank_verdict(job, tmp_path):
+    """Rank 1 arrives late at every step under SlowRank (a window every 2 steps), then never arrives: the report
+    of the collective that timed out ends with the last window's line, which names rank 1."""
+    j = job("slow-then-hang", "1", "3", "3")
+    code, out, err = j.finish()
+    assert code == 1, err
+    named = r"\[slow rank\] steps 2-3, .*: rank 1 \(.*\) is late by"
+    assert re.search(named, out), out
+    assert re.search(f"The last window before it, on rank 0: {named}", err), err
+    assert j.leftovers() == []
+
+
+@pytest.mark.slow
 def test_a_collective_on_the_primary_alone_is_named_as_such(job, tmp_path):
     """The rank-0-only evaluation: rank 0 waits in reduce under `if is_primary():`, rank 1 in barrier."""
     j = job("primary-only", "0", "2", "3")

@@ -110,7 +110,7 @@ def runs(tmp_path_factory) -> dict:
         started[world, batch, accum, log_every] = tmp, start_min_ddp(
             tmp, "--nprocs", str(world), "--epochs", str(EPOCHS), "--batch-size", str(batch), "--grad-accum",
             str(accum), "--log-every", str(log_every), "--seed", str(SEED), "--lr", str(LR), "--save-model",
-            str(tmp / "model.pt"), FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
+            str(tmp / "model.pt"), "--slow-rank", FLOAT64="1", TRAIN_SIZE=str(TRAIN_SIZE))
     tmp = tmp_path_factory.mktemp("no-sync-bn")
     started["no sync bn"] = tmp, start_min_ddp(
         tmp, "--nprocs", "2", "--epochs", str(EPOCHS), "--batch-size", "64", "--log-every", "5", "--seed", str(SEED),
@@ -136,6 +136,17 @@ def test_min_ddp_training_equals_a_one_process_loop_on_same_batches(runs, world,
         assert (value - initial[key]).abs().max() > 1e-3, "training must move the model"
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, key=key: f"{key}: min_ddp at world {world} != the 1-process loop\n{m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, batch, accum, log_every", RUNS)
+def test_min_ddp_slow_rank_prints_its_first_window_after_ten_steps(runs, world, batch, accum, log_every):
+    """--slow-rank (on in every run of RUNS, which the test above finds training as one process does): beyond one
+    process the primary prints the first window's verdict, steps 2-11, once; alone, nothing."""
+    _, printed = runs[world, batch, accum, log_every]
+    lines = re.findall(r"^\[slow rank\] steps 2-11, step [\d.]+ ms: (?:balanced|rank \d \(.+\) is late by).*$", printed,
+                       re.M)
+    assert len(lines) == (world > 1), printed
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@ python gpu_job.py BACKEND SNAPSHOT [BEHAVIOUR]."""
 import sys
 import time
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointer
 import distributed
+from slow_rank import SlowRank
 
 def check(got, expected, device):
     assert got.device == device, (got.device, device)
@@ -57,6 +59,13 @@ def worker(local_rank, world_size, backend, snapshot, behaviour):
         time.sleep(3600)                                 # until the launcher stops this rank
     if behaviour == "hang" and rank == 1:
         time.sleep(3600)
+    if behaviour == "slow-rank":                         # on the device's clock: rank 1 starts each backward late
+        ddp = DDP(torch.nn.Linear(256, 256).to(device), device_ids=[device])
+        watch = SlowRank(ddp, every=4)
+        for x in watch.batches([torch.randn(64, 256, device=device)] * 13):
+            loss = ddp(x).square().mean()
+            time.sleep(0.05 if rank == 1 else 0.0)
+            loss.backward()
     distributed.reduce(torch.ones(1, device=device)).item()
     distributed.print_primary("job ok")
     distributed.cleanup()

@@ -15,9 +15,11 @@ import threading
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpointer
 import distributed
+from slow_rank import SlowRank
 
 
 def spin():
@@ -79,6 +81,14 @@ def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
         spin()                                      # never returns: the others wait below
     if behaviour == "read" and rank == bad_rank:
         os.read(os.pipe()[0], 1)                    # blocked in a C call, forever
+    if behaviour == "slow-then-hang":               # SlowRank names the late rank, which then never arrives
+        ddp = DDP(torch.nn.Linear(2, 1))
+        watch = SlowRank(ddp, every=2)
+        for step, x in enumerate(watch.batches([torch.ones(1, 2)] * 5)):
+            time.sleep(0.05 if rank == bad_rank else 0)
+            if rank == bad_rank and step == 4:
+                time.sleep(3600)
+            ddp(x).sum().backward()
     if behaviour == "primary-only":
         if distributed.is_primary():
             distributed.reduce(torch.ones(1))       # a collective on the primary alone
