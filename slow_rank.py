@@ -30,9 +30,10 @@ How the late rank is found: every rank's step takes as long as the slowest's, be
 in the all-reduce, so no step time and no backward time can tell (the all-reduce evens them out). The rank that
 arrives last waits least. Per window, each rank's mean wait per step is gathered (one small all_gather); the rank
 that waited least is late by the others' median wait minus its own. It is named when that is at least
-``threshold`` (10%) of the median step and 1 ms, with the phase (data, compute or rest) in which it spent the most
-more than the others' median; a rank named in more than half of the windows, over three or more, is "persistent".
-Means, not medians, over the window: a rank slow at one step in four is still found.
+``threshold`` (10%) of the median step, 1 ms, and 3 standard errors of the mean waits (a rank late at a single
+step, by a hiccup of the scheduler, is not a straggler; one late at one step in four is), with the phase
+(data, compute or rest) in which it spent the most more than the others' median; a rank named in more than half
+of the windows, over three or more, is "persistent". Means, not medians: the steps in which it was late count.
 
 The comm hook: SlowRank registers one that wraps what runs in the all-reduce: DDP's default, or any hook
 registered after it (``shared_memory_allreduce(ddp)``, ``ddp.register_comm_hook(state, hook)``), which it calls
@@ -62,6 +63,9 @@ _FIRST_WINDOW = 10  # steps: a first line soon; the later windows last about `se
 # Below a millisecond a rank's lateness is the size of a busy host's jitter (a thread's wake-up, a page fault), and
 # no straggler worth chasing: not named, however short the step.
 _FLOOR_S = 0.001
+# In standard errors of the mean waits: a rank late by one hiccup in a window is 1; 3 ranks' jitter on 2 busy cores
+# reached 2.4; a rank late at 1 step in 4 is 0.58 x sqrt(steps): 4.6 over 64 steps, tens over a minute's.
+_SIGNIFICANT = 3.0
 
 
 class _Mark(NamedTuple):
@@ -185,7 +189,7 @@ class SlowRank:
 
     def _clear_window(self) -> None:
         self._window_times = dict.fromkeys(_PHASES, 0.0)  # seconds, on the host's clock
-        self._waits: list[tuple[_Mark, _Mark]] = []  # summed at the window's end: on a GPU, events
+        self._waits: list[list[tuple[_Mark, _Mark]]] = []  # per step, its spans of waiting: read at the window's end
         self._step_times: list[float] = []
         self._step_started: float | None = None
 
@@ -196,7 +200,7 @@ class SlowRank:
             self._window_times = dict.fromkeys(_PHASES, 0.0)
         else:
             self._step_times.append(now - self._step_started)
-            self._waits += [*self._step_spans, (self._ready[-1], self._dones[-1])]
+            self._waits.append([*self._step_spans, (self._ready[-1], self._dones[-1])])
             self._window_times["rest"] += now - max(mark.host for mark in self._dones)
         self._step_started = now
         self._clear_step()
@@ -206,11 +210,13 @@ class SlowRank:
         if self._cuda:
             torch.cuda.synchronize()  # once a window: every event recorded in it has completed
         times = self._window_times
-        times["wait"] = sum(start.until(end) for start, end in self._waits)
+        waits = [sum(start.until(end) for start, end in spans) for spans in self._waits]
+        times["wait"] = sum(waits)
         times["compute"] = sum(self._step_times) - times["data"] - times["wait"] - times["rest"]
         steps = len(self._step_times)
         step = statistics.median(self._step_times)
-        mine = torch.tensor([steps, step, *(times[phase] / steps for phase in _PHASES)], dtype=torch.float64)
+        spread = statistics.stdev(waits) / steps ** 0.5 if steps > 1 else 0.0  # the standard error of the mean wait
+        mine = torch.tensor([steps, step, *(times[phase] / steps for phase in _PHASES), spread], dtype=torch.float64)
         if not self._hosts:
             self._hosts = [""] * distributed.get_world_size()
             torch_dist.all_gather_object(self._hosts, socket.gethostname())
@@ -226,9 +232,10 @@ class SlowRank:
         self._clear_window()
 
     def _verdict(self, ranks: list[list[float]]) -> dict[str, Any]:
-        """The window's verdict from every rank's [steps, median step, mean data, compute, wait, rest]."""
+        """The window's verdict from every rank's [steps, median step, mean data, compute, wait, rest, the mean
+        wait's standard error]."""
         step = statistics.median(rank[1] for rank in ranks)
-        per_rank = [dict(zip(_PHASES, rank[2:], strict=True)) for rank in ranks]
+        per_rank = [dict(zip(_PHASES, rank[2:6], strict=True)) for rank in ranks]
         waits = [times["wait"] for times in per_rank]
         late = min(range(len(ranks)), key=waits.__getitem__)
         others = [r for r in range(len(ranks)) if r != late]
@@ -236,7 +243,10 @@ class SlowRank:
         excess = {phase: per_rank[late][phase] - statistics.median(per_rank[r][phase] for r in others)
                   for phase in ("data", "compute", "rest")}
         cause = max(excess, key=excess.__getitem__)
-        named = late_by >= max(self.threshold * step, _FLOOR_S)
+        # A rank late at one step of the window (a hiccup: the scheduler, a page fault) is as late, on average, as
+        # one late at every step by a little: named only when the steps' spread cannot explain it.
+        noise = (ranks[late][6] ** 2 + statistics.median(ranks[r][6] for r in others) ** 2) ** 0.5
+        named = late_by >= max(self.threshold * step, _FLOOR_S, _SIGNIFICANT * noise)
         if named:
             self._late[late] = self._late.get(late, 0) + 1
         windows = len(self.verdicts) + 1
@@ -253,7 +263,7 @@ class SlowRank:
                     f"{max(late_by, 0) / max(step, 1e-9):.0%} of a step)")
         return {"steps": (first, last), "step_s": step, "late_rank": late if named else None,
                 "host": self._hosts[late] if named else None, "late_by_s": late_by, "cause": cause if named else None,
-                "excess_s": excess, "persistent": persistent, "per_rank": per_rank, "line": line}
+                "excess_s": excess, "noise_s": noise, "persistent": persistent, "per_rank": per_rank, "line": line}
 
 
 def _timed_hook(state, bucket):  # no annotations: DDP checks them, and ours would be strings

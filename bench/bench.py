@@ -213,7 +213,8 @@ def streams_worker(local_rank: int, world_size: int, steps: int, runs: int, resu
 
 def slow_rank_worker(local_rank: int, world_size: int, steps: int, runs: int, result: str) -> None:
     """min_ddp's loop (shared-memory all-reduce) on two identical models, one plain and one under SlowRank's default
-    window, alternating epoch by epoch; writes [plain, watched] seconds per step (the slowest rank's) per run."""
+    window, alternating epoch by epoch (each first in every other pair); writes [plain, watched] seconds per step (the
+    slowest rank's) per run, and the same for a 2-parameter model: SlowRank's own work per step."""
     dist.init_process_group(local_rank, world_size)
     trainers = []
     for watched in (False, True):
@@ -227,17 +228,34 @@ def slow_rank_worker(local_rank: int, world_size: int, steps: int, runs: int, re
     for ddp_model, optimizer, watch in trainers:
         train_steps(ddp_model, watch.batches(loader), optimizer)  # warm-up (and SlowRank's first window)
     pairs = []
-    for _ in range(runs):
-        pair = []
-        for ddp_model, optimizer, watch in trainers:
+    for run in range(runs):
+        pair = [0.0, 0.0]
+        for which in (0, 1) if run % 2 == 0 else (1, 0):  # plain first, then watched first: no order favoured
+            ddp_model, optimizer, watch = trainers[which]
             dist.barrier()
             start = time.perf_counter()
             train_steps(ddp_model, watch.batches(loader), optimizer)
-            pair.append(dist.reduce(time.perf_counter() - start, "max").item() / steps)
+            pair[which] = dist.reduce(time.perf_counter() - start, "max").item() / steps
         pairs.append(pair)
+    # SlowRank's own work per step, apart from the model's: a 2-parameter model, 2,000 steps each way, alternating.
+    tiny = []
+    for watched in (False, True):
+        ddp_model = DDP(nn.Linear(1, 1), gradient_as_bucket_view=True)
+        watch = SlowRank(ddp_model, enabled=watched)
+        assert shared_memory_allreduce(ddp_model, 300)
+        tiny.append((ddp_model, watch))
+    batches = [torch.ones(1, 1)] * 2000
+    per_step = [[], []]
+    for _ in range(5):
+        for (ddp_model, watch), seconds in zip(tiny, per_step, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            for x in watch.batches(batches):
+                ddp_model(x).sum().backward()
+            seconds.append(dist.reduce(time.perf_counter() - start, "max").item() / len(batches))
     if dist.is_primary():
         with open(result, "w") as f:
-            json.dump(pairs, f)
+            json.dump({"pairs": pairs, "tiny": per_step}, f)
     dist.cleanup()
 
 
@@ -622,8 +640,13 @@ def main() -> None:
               "target <= 1%)")
         return None
     if args.slow_rank:
-        pairs = run_launched(slow_rank_worker, 2, args.steps, 2 * args.runs + 1)
+        found = run_launched(slow_rank_worker, 2, args.steps, 2 * args.runs + 1)
+        pairs, (plain_tiny, watched_tiny) = found["pairs"], found["tiny"]
         added = sorted(watched / plain - 1 for plain, watched in pairs)
+        own_us = sorted((w - p) * 1e6 for p, w in zip(plain_tiny, watched_tiny, strict=True))
+        print(f"SlowRank's own work, a 2-parameter model's step (5 pairs of 2,000 steps): "
+              f"{statistics.median(plain_tiny) * 1e6:.0f} us plain, +{statistics.median(own_us):.0f} us watched "
+              f"(pairs {own_us[0]:+.0f} to {own_us[-1]:+.0f} us)")
         print(f"SlowRank, world 2, min_ddp's loop ({len(pairs)} epoch pairs of {args.steps} steps, alternating): "
               f"a step {statistics.median(p for p, _ in pairs) * 1e3:.2f} ms plain, "
               f"{statistics.median(w for _, w in pairs) * 1e3:.2f} ms watched; added: median "

@@ -21,8 +21,14 @@ from shared_memory_allreduce import shared_memory_allreduce
 from slow_rank import SlowRank
 
 DELAY_S = 0.02  # the injected sleep: several times a step of the model below on 2 busy cores
-WINDOW, WINDOWS = 4, 3  # steps per window, windows per run: the third can call a rank persistent
-VARIANTS = ["ddp", "shared-memory", "own-hook", "no_sync", "checkpointer"]
+FOURTH_STEP_DELAY_S = 0.05  # at one step in four: well above what 2 busy cores add to a step now and then
+WINDOWS = 3  # per run: the third can call a rank persistent
+# Steps per window: a rank late at every step is named within 8; one late at one step in 4 needs more, to stand out
+# of the steps' spread (48: 4.0 standard errors, where 3 name it); jitter alone is averaged over 16.
+EVERY_STEP_WINDOW, FOURTH_STEP_WINDOW, JITTER_WINDOW = 8, 48, 16
+# DDP's own all-reduce; the shared-memory one with a Checkpointer's stop check after each step; a user's comm hook
+# with accumulation under no_sync (2 micro-batches a step).
+VARIANTS = ["ddp", "shared-memory+checkpointer", "own-hook+no_sync"]
 
 
 class SlowBackward(torch.autograd.Function):
@@ -78,7 +84,8 @@ def own_hook(state: dict, bucket):
 def task_train(spec: dict) -> dict:
     """Train WINDOWS windows with SlowRank; a slow rank sleeps where ``spec["where"]`` says, at every
     ``spec["every"]``-th step (all: every rank sleeps)."""
-    rank, variant, accum = distributed.get_rank(), spec["variant"], 2 if spec["variant"] == "no_sync" else 1
+    rank, variant = distributed.get_rank(), spec["variant"].split("+")
+    accum = 2 if "no_sync" in variant else 1
     slowed = spec["slow"] == "all" or spec["slow"] == rank
     torch.manual_seed(0)
     slow_forward = SlowForward()
@@ -86,16 +93,17 @@ def task_train(spec: dict) -> dict:
                           nn.Linear(64, 1))
     torch.manual_seed(100 + rank)  # dropout: each rank's own draws
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = Checkpointer(None, model, optimizer, check_every=1) if variant == "checkpointer" else None
+    ckpt = Checkpointer(None, model, optimizer, check_every=1) if "checkpointer" in variant else None
     ddp = DDP(model)
-    watch = SlowRank(ddp, every=WINDOW, quiet=True)
+    watch = SlowRank(ddp, every=spec["window"], quiet=True)
     hook_state = {"calls": 0}
-    if variant == "shared-memory":
+    if "shared-memory" in variant:
         assert shared_memory_allreduce(ddp)  # registered after SlowRank: it runs inside SlowRank's hook
-    if variant == "own-hook":
+    if "own-hook" in variant:
         ddp.register_comm_hook(hook_state, own_hook)
-    steps = WINDOW * WINDOWS + 1  # the first step is DDP's setup, not measured
-    delays = [DELAY_S if slowed and step % spec["every"] == 0 else 0.0 for step in range(steps)]
+    steps = spec["window"] * WINDOWS + 1  # the first step is DDP's setup, not measured
+    delay = DELAY_S if spec["every"] == 1 else FOURTH_STEP_DELAY_S
+    delays = [delay if slowed and step % spec["every"] == 0 else 0.0 for step in range(steps)]
     data_delay = DELAY_S if slowed and spec["where"] == "data" else 0.0
     loader = DataLoader(Batches(steps * accum, data_delay, seed=rank), batch_size=None)
     for i, (x, y) in enumerate(watch.batches(loader)):
@@ -110,7 +118,7 @@ def task_train(spec: dict) -> dict:
             optimizer.zero_grad()
             if ckpt:
                 ckpt.step()  # its stop check: an all-reduce after every step
-    assert variant != "own-hook" or hook_state["calls"] >= steps  # wrapped, never replaced
+    assert "own-hook" not in variant or hook_state["calls"] >= steps  # wrapped, never replaced
     return {"verdicts": watch.verdicts}
 
 
@@ -126,9 +134,11 @@ def test_the_late_rank_is_named_with_its_cause_in_every_window(pools, where, eve
     every rank's backward wall time, so only the wait tells), in its forward, in its dataset's reading
     (num_workers=0), or in its backward at one step in four: every window names rank 1, on its host, with
     compute or data, and the third calls it persistent."""
-    if variant == "shared-memory" and not shared_memory_usable():
+    if "shared-memory" in variant and not shared_memory_usable():
         pytest.skip("shared_memory_allreduce needs Linux on x86-64")
-    results = pools.run(3, task_train, {"slow": 1, "where": where, "every": every, "variant": variant}, timeout=60)
+    window = EVERY_STEP_WINDOW if every == 1 else FOURTH_STEP_WINDOW
+    spec = {"slow": 1, "where": where, "every": every, "variant": variant, "window": window}
+    results = pools.run(3, task_train, spec, timeout=60)
     verdicts = results[0]["verdicts"]
     assert len(verdicts) == WINDOWS
     assert all(r["verdicts"] == verdicts for r in results)  # the same verdict on every rank
@@ -145,10 +155,10 @@ def test_the_late_rank_is_named_with_its_cause_in_every_window(pools, where, eve
 def test_ranks_slowed_alike_or_not_at_all_are_called_balanced(pools, slow, variant):
     """Every rank sleeps the same in its backward, or none does (what is left is the jitter of 3 processes on a
     shared machine): no window names a rank."""
-    if variant == "shared-memory" and not shared_memory_usable():
+    if "shared-memory" in variant and not shared_memory_usable():
         pytest.skip("shared_memory_allreduce needs Linux on x86-64")
-    results = pools.run(3, task_train, {"slow": slow, "where": "backward", "every": 1, "variant": variant},
-                        timeout=60)
+    spec = {"slow": slow, "where": "backward", "every": 1, "variant": variant, "window": JITTER_WINDOW}
+    results = pools.run(3, task_train, spec, timeout=60)
     for verdict in results[0]["verdicts"]:
         assert verdict["late_rank"] is None and "balanced" in verdict["line"], verdict["line"]
 
