@@ -6,6 +6,9 @@ clock: the assertions name ranks and causes, not durations."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import platform
+import sys
 import time
 
 import pytest
@@ -164,8 +167,6 @@ def test_ranks_slowed_alike_or_not_at_all_are_called_balanced(pools, slow, varia
 
 
 def shared_memory_usable() -> bool:
-    import platform
-    import sys
     return sys.platform == "linux" and platform.machine() == "x86_64"
 
 
@@ -234,3 +235,25 @@ def test_a_world_of_one_yields_the_loader_unchanged_and_says_nothing():
     watch = SlowRank(nn.Linear(2, 1), every=1)
     assert list(watch.batches(range(5))) == list(range(5))
     assert watch.last is None and watch.verdicts == []
+
+
+def task_default_windows(spec: dict) -> list[dict]:
+    ddp = DDP(nn.Linear(4, 1))
+    watch = SlowRank(ddp, seconds=spec["seconds"], quiet=True)
+    for x in watch.batches([torch.ones(2, 4)] * 120):
+        time.sleep(0.002)
+        ddp(x).sum().backward()
+    return [{"steps": v["steps"], "step_s": v["step_s"]} for v in watch.verdicts]
+
+
+def test_default_windows_are_ten_steps_then_about_seconds_of_steps(pools):
+    """Without ``every``: the first window is steps 2-11 (the first step is DDP's setup), each later one as many
+    steps as ``seconds`` holds at the last window's median step, the same on every rank."""
+    results = pools.run(2, task_default_windows, {"seconds": 0.05}, timeout=60)
+    windows = results[0]
+    assert results[1] == windows and len(windows) >= 3
+    assert windows[0]["steps"] == (2, 11)
+    for before, window in itertools.pairwise(windows):
+        first, last = window["steps"]
+        assert first == before["steps"][1] + 1
+        assert last - first + 1 == max(round(0.05 / before["step_s"]), 1)
