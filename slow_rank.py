@@ -8,7 +8,7 @@
     for x, y in watch.batches(loader):     # instead of `for x, y in loader:`
         ...                                # forward, backward, step: unchanged
 
-Every window of steps the primary prints one line (a dict of the same is ``watch.last``, all of them
+Every window of steps the primary prints one line (a dict of the same is ``watch.last``, the last 100 of them
 ``watch.verdicts``):
 
     [slow rank] steps 2-11, step 41.3 ms: rank 2 (node03) is late by 30.4 ms a step (74%), its compute +30.1 ms
@@ -33,7 +33,7 @@ that waited least is late by the others' median wait minus its own. It is named 
 ``threshold`` (10%) of the median step, 1 ms, and 3 standard errors of the mean waits (a rank late at a single
 step, by a hiccup of the scheduler, is not a straggler; one late at one step in four is), with the phase
 (data, compute or rest) in which it spent the most more than the others' median; a rank named in more than half
-of the windows, over three or more, is "persistent". Means, not medians: the steps in which it was late count.
+of the last 10 windows (3 at least) is "persistent". Means, not medians: the steps in which it was late count.
 
 The comm hook: SlowRank registers one that wraps what runs in the all-reduce: DDP's default, or any hook
 registered after it (``shared_memory_allreduce(ddp)``, ``ddp.register_comm_hook(state, hook)``), which it calls
@@ -44,6 +44,7 @@ spends setting up). Under launch(), a collective that times out shows the last w
 """
 from __future__ import annotations
 
+import collections
 import socket
 import statistics
 import time
@@ -60,6 +61,8 @@ __all__ = ["SlowRank"]
 
 _PHASES = ("data", "compute", "wait", "rest")
 _FIRST_WINDOW = 10  # steps: a first line soon; the later windows last about `seconds`
+_RECENT = 10  # windows: "persistent" is late in most of them (a straggler of an hour ago is not one now)
+_KEPT = 100  # verdicts kept for a logger: a week-long job keeps no week of them
 # Below a millisecond a rank's lateness is the size of a busy host's jitter (a thread's wake-up, a page fault), and
 # no straggler worth chasing: not named, however short the step.
 _FLOOR_S = 0.001
@@ -99,12 +102,12 @@ class SlowRank:
             raise TypeError(f"SlowRank: expected the DistributedDataParallel model, got: {type(model).__name__}; "
                             "pass the DDP(model) the loop trains")
         self.every, self.seconds, self.threshold, self.quiet = every, float(seconds), float(threshold), quiet
-        self.verdicts: list[dict[str, Any]] = []
+        self.verdicts: collections.deque[dict[str, Any]] = collections.deque(maxlen=_KEPT)
         self._window = every or _FIRST_WINDOW
         self._steps = 0  # all-reducing steps seen, the first (DDP's setup) included
         self._first_step = 2  # the first step of the current window
         self._hosts: list[str] = []
-        self._late: dict[int, int] = {}  # rank -> windows it was named in
+        self._named: collections.deque[int | None] = collections.deque(maxlen=_RECENT)  # the late rank of each
         self._clear_window()
         self._clear_step()
         if not self.enabled:
@@ -218,8 +221,7 @@ class SlowRank:
         spread = statistics.stdev(waits) / steps ** 0.5 if steps > 1 else 0.0  # the standard error of the mean wait
         mine = torch.tensor([steps, step, *(times[phase] / steps for phase in _PHASES), spread], dtype=torch.float64)
         if not self._hosts:
-            self._hosts = [""] * distributed.get_world_size()
-            torch_dist.all_gather_object(self._hosts, socket.gethostname())
+            self._hosts = _host_names()
         verdict = self._verdict(distributed.all_gather(mine).tolist())
         self.verdicts.append(verdict)
         # For launch()'s hang report, on every rank: work on the primary alone would make it late at the next step.
@@ -247,17 +249,16 @@ class SlowRank:
         # one late at every step by a little: named only when the steps' spread cannot explain it.
         noise = (ranks[late][6] ** 2 + statistics.median(ranks[r][6] for r in others) ** 2) ** 0.5
         named = late_by >= max(self.threshold * step, _FLOOR_S, _SIGNIFICANT * noise)
-        if named:
-            self._late[late] = self._late.get(late, 0) + 1
-        windows = len(self.verdicts) + 1
-        persistent = named and windows >= 3 and self._late[late] > windows / 2
+        self._named.append(late if named else None)
+        times_named, windows = self._named.count(late), len(self._named)
+        persistent = named and windows >= 3 and times_named > windows / 2
         first, last = self._first_step, self._steps
         head = f"[slow rank] steps {first}-{last}, step {step * 1000:.1f} ms: "
         if named:
             line = (f"{head}rank {late} ({self._hosts[late]}) is late by {late_by * 1000:.1f} ms a step "
                     f"({late_by / step:.0%}), its {cause} +{excess[cause] * 1000:.1f} ms")
             if persistent:
-                line += f"; persistent: late in {self._late[late]} of {windows} windows"
+                line += f"; persistent: late in {times_named} of the last {windows} windows"
         else:
             line = (f"{head}balanced (the latest rank is {max(late_by, 0) * 1000:.1f} ms behind, "
                     f"{max(late_by, 0) / max(step, 1e-9):.0%} of a step)")
@@ -268,6 +269,13 @@ class SlowRank:
 
 def _timed_hook(state, bucket):  # no annotations: DDP checks them, and ours would be strings
     return state._ready_then_done(bucket)
+
+
+def _host_names() -> list[str]:
+    """Every rank's host name, from one all_gather of 256 bytes a rank (torch's all_gather_object needs numpy)."""
+    name = socket.gethostname().encode()[:255].ljust(256, b"\0")
+    gathered = distributed.all_gather(torch.tensor(list(name), dtype=torch.uint8))
+    return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in gathered]
 
 
 def _ddp_mean(group, bucket):

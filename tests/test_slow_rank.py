@@ -150,7 +150,7 @@ def test_the_late_rank_is_named_with_its_cause_in_every_window(pools, where, eve
         assert verdict["cause"] == expected_cause(where), verdict["line"]
         assert verdict["host"] and f"rank 1 ({verdict['host']}) is late by" in verdict["line"]
     assert [v["persistent"] for v in verdicts] == [False, False, True], [v["line"] for v in verdicts]
-    assert "persistent: late in 3 of 3 windows" in verdicts[-1]["line"]
+    assert "persistent: late in 3 of the last 3 windows" in verdicts[-1]["line"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -234,7 +234,7 @@ def test_a_world_of_one_yields_the_loader_unchanged_and_says_nothing():
     """Alone there is no one to wait for: the batches pass through, no collective, no verdict."""
     watch = SlowRank(nn.Linear(2, 1), every=1)
     assert list(watch.batches(range(5))) == list(range(5))
-    assert watch.last is None and watch.verdicts == []
+    assert watch.last is None and not watch.verdicts
 
 
 def task_default_windows(spec: dict) -> list[dict]:
