@@ -138,7 +138,7 @@ class SlowRank:
         batches = iter(loader)
         while True:
             asked = time.perf_counter()
-            if self._ready:  # an all-reducing step ended here
+            if self._ready is not None:  # an all-reducing step ended here
                 self._end_step(asked)
                 if self._steps >= self._first_step - 1 + self._window:
                     self._end_window()
@@ -175,18 +175,18 @@ class SlowRank:
             self._forward_started = None
 
     def _ready_then_done(self, bucket: torch_dist.GradBucket) -> torch.futures.Future:
-        self._ready.append(self._mark())
+        self._ready = self._mark()  # the last bucket's call is the one that counts
         state, hook = self._inner
         return hook(state, bucket).then(self._done)
 
     def _done(self, reduced: torch.futures.Future) -> Any:
-        self._dones.append(self._mark())  # on the communication thread: list.append is atomic
+        self._dones.append(self._mark())  # on communication threads, maybe several: list.append is atomic
         return reduced.value()
 
     # ---- a step, a window
     def _clear_step(self) -> None:
-        self._ready: list[_Mark] = []  # DDP's hook called, for each bucket
-        self._dones: list[_Mark] = []  # each bucket reduced
+        self._ready: _Mark | None = None  # DDP's hook called for the step's last bucket so far
+        self._dones: list[_Mark] = []  # each bucket reduced, in the order they completed
         self._forward_started: _Mark | None = None
         self._step_spans: list[tuple[_Mark, _Mark]] = []  # spans of waiting inside DDP's forward
 
@@ -203,8 +203,8 @@ class SlowRank:
             self._window_times = dict.fromkeys(_PHASES, 0.0)
         else:
             self._step_times.append(now - self._step_started)
-            self._waits.append([*self._step_spans, (self._ready[-1], self._dones[-1])])
-            self._window_times["rest"] += now - max(mark.host for mark in self._dones)
+            self._waits.append([*self._step_spans, (self._ready, self._dones[-1])])
+            self._window_times["rest"] += now - self._dones[-1].host
         self._step_started = now
         self._clear_step()
 
