@@ -21,6 +21,10 @@ if "multiprocessing.resource_tracker" not in " ".join(sys.orig_argv):
     import torch
     import distributed
     from torch.optim.optimizer import register_optimizer_step_post_hook
+    if "multiprocessing.forkserver" in " ".join(sys.orig_argv):
+        # launch()'s forkserver, whose forks are the ranks: each rank's first optimizer imports torch._dynamo, 0.9
+        # CPU-s; imported here once (after distributed, as in a rank), a run's ranks share it: the suite's time.
+        import torch._dynamo  # noqa: F401
 
     if os.environ.get("FLOAT64"):
         torch.set_default_dtype(torch.float64)
