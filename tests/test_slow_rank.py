@@ -23,7 +23,10 @@ from checkpointer import Checkpointer
 from shared_memory_allreduce import shared_memory_allreduce
 from slow_rank import SlowRank
 
-DELAY_S = 0.02  # the injected sleep: several times a step of the model below on 2 busy cores
+# The injected sleep: a rank late by it stands out of 8 steps on 2 busy cores. 20 ms did not always: in a CI run
+# (the suite at its fastest, so its most crowded) one window's waits spread by over 7 ms a standard error, and
+# the rank, 22 ms late (83% of a step), was called jitter: 3 standard errors, SlowRank's rule, were more.
+DELAY_S = 0.05
 FOURTH_STEP_DELAY_S = 0.05  # at one step in four: well above what 2 busy cores add to a step now and then
 WINDOWS = 3  # per run: the third can call a rank persistent
 # Steps per window: a rank late at every step is named within 8; one late at one step in 4 needs more, to stand out
