@@ -44,6 +44,7 @@ STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "KMP_", "MKL_", "GOMP_
                     "LC_", "LANG", "TMPDIR", "TEMP", "TMP")
 LOADED_IN_THE_CHILD = ("TORCHDYNAMO_", "TORCHINDUCTOR_")
 HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_scripts", "min_ddp_hooks")
+WARM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_scripts", "warm_forkserver")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def _can_fork(command: list[str], environ: dict[str, str], popen: dict) -> bool:
     if added is None:
         return False
     customized = [entry for entry in added if os.path.isfile(os.path.join(entry, "sitecustomize.py"))]
-    return customized in ([], [HOOKS])
+    return customized in ([], [HOOKS], [WARM])  # WARM acts in a forkserver only, never in a forked script
 
 
 def _added_path(path: str, server_path: str) -> list[str] | None:

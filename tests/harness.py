@@ -599,6 +599,13 @@ def task_all_gather(spec: dict) -> torch.Tensor:
     return distributed.all_gather(spec["values"][distributed.get_rank()])
 
 
+def warm_ranks() -> dict:
+    """The environment of a launch() job whose ranks train (random_loop, own_loop, stream_loop): its forkserver
+    imports torch._dynamo once for them (rank_scripts/warm_forkserver), as min_ddp's hooks do for min_ddp's."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(SCRIPTS / "warm_forkserver"), os.environ.get("PYTHONPATH"))
+                                          if p)}
+
+
 def without_numpy(tmp_path) -> dict:
     """An environment whose interpreters, spawned ranks included, fail to `import numpy`, as on a
     machine where only requirements.txt is installed (torch does not depend on numpy)."""

@@ -18,14 +18,15 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once, signal_once_printed, start
+from harness import SCRIPTS, assert_bitwise_equal, at_once, signal_once_printed, start, warm_ranks
 
 
 OWN_LOOP = SCRIPTS / "own_loop.py"
 
 
 def start_own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.Popen:
-    return start([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags], tmp_path)
+    return start([sys.executable, str(OWN_LOOP), str(tmp_path / snapshot), str(tmp_path / out), *flags], tmp_path,
+                 env=warm_ranks())
 
 
 def own_loop(tmp_path: Path, snapshot: str, out: str, *flags: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import torch
 
 import checkpointer
 import distributed
-from harness import SCRIPTS, assert_bitwise_equal, at_once, start
+from harness import SCRIPTS, assert_bitwise_equal, at_once, start, warm_ranks
 
 
 
@@ -27,7 +27,7 @@ def start_random_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, batc
                       *flags: str) -> subprocess.Popen:
     command = [sys.executable, str(SCRIPTS / "random_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
                str(nprocs), str(batch), str(stop), *flags]
-    return start(command, tmp_path)
+    return start(command, tmp_path, env=warm_ranks())
 
 
 def random_loop(*args: object) -> subprocess.CompletedProcess:
@@ -174,7 +174,7 @@ def start_stream_loop(tmp_path: Path, snapshot: str, out: str, nprocs: int, stop
                       ) -> subprocess.Popen:
     command = [sys.executable, str(SCRIPTS / "stream_loop.py"), str(tmp_path / snapshot), str(tmp_path / out),
                str(nprocs), str(stop), "--workers", "2", *flags]
-    return start(command, tmp_path)
+    return start(command, tmp_path, env=warm_ranks())
 
 
 @pytest.fixture(scope="module")
