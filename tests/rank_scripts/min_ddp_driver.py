@@ -12,8 +12,9 @@ CRASH_AT="rank:step": under torchrun's first attempt, that rank dies (exit 17) a
 SLOW_FIRST_RUN=S: a SLURM job's first run sleeps S s after each step, so that SLURM's signal finds it
 training; a requeued run (SLURM_RESTART_COUNT=1) is not slowed.
 For the suite's time, not the run's behaviour: multiprocessing's resource tracker is left without torch, and
-launch()'s forkserver also imports torch._dynamo, which each rank's first optimizer imports (0.9 CPU-s a rank);
-the ranks of other scripts (test_launch's, random_loop's, torchrun's) import it as a user's do.
+launch()'s forkserver also imports torch._dynamo, which each rank's first optimizer imports (0.9 CPU-s a rank), as
+warm_forkserver/ does for random_loop's, own_loop's and stream_loop's; test_launch's ranks (its failures, hangs
+and stops), torchrun's and srun's import it as a user's do.
 harness.start() runs what command() returns directly (forked_python.py), without this process in between.
 """
 import os
