@@ -619,16 +619,21 @@ def test_stop_requested_alone_installs_handlers_and_every_rank_answers(tmp_path,
 @pytest.mark.skipif(not shutil.which("pgrep") or sys.platform != "linux", reason="needs pgrep on Linux")
 def test_a_rank_is_found_by_its_process_name_and_signalled(tmp_path):
     """launch()'s ranks show the forkserver's command line, so `ps | grep train.py` finds only the launcher; each
-    rank is named <script>:r<rank>, and the README's `pgrep -o -x asks_to_stop:r1` finds rank 1 (the oldest of
-    that name: its loader workers inherit it). Signalled that way, every rank answers."""
-    proc = start([sys.executable, str(SCRIPTS / "asks_to_stop.py"), str(tmp_path)], tmp_path)
+    rank is named <script>:r<rank>, and the README's `pgrep -o -x <script>:r1` finds rank 1 (the oldest of
+    that name: its loader workers inherit it). Signalled that way, every rank answers. The script runs as a copy
+    named pgrep_finds.py: another test's asks_to_stop job may run beside this one (pytest-xdist), and be older."""
+    script = tmp_path / "pgrep_finds.py"
+    shutil.copy(SCRIPTS / "asks_to_stop.py", script)
+    proc = start([sys.executable, str(script), str(tmp_path)], tmp_path)
     deadline = time.monotonic() + 180
     while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and proc.poll() is None:
         assert time.monotonic() < deadline, "the ranks never asked"
         time.sleep(0.1)
-    found = run(["pgrep", "-o", "-x", "asks_to_stop:r1"], timeout=30)
+    found = run(["pgrep", "-o", "-x", "pgrep_finds:r1"], timeout=30)
     if proc.poll() is None and found.returncode == 0:
         os.kill(int(found.stdout), signal.SIGUSR1)
+    elif proc.poll() is None:
+        proc.kill()  # found nothing to signal: the job would run until finish() called it a hang
     [(code, out, err)] = finish([proc])
     assert found.stdout.strip() == (tmp_path / "rank1.pid").read_text(), f"pgrep found {found.stdout!r}"
     assert code == 0 and "rank 0 answered SIGUSR1" in out and "rank 1 answered SIGUSR1" in out, out + err

@@ -12,8 +12,10 @@ def worker(local_rank, world_size, directory):
     steps = 0
     while (signum := checkpointer.stop_requested()) is None:
         if steps == 0:  # the handlers are in place from the first answer on
-            with open(os.path.join(directory, f"rank{distributed.get_rank()}.pid"), "w") as f:
+            path = os.path.join(directory, f"rank{distributed.get_rank()}.pid")
+            with open(f"{path}.tmp", "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(f"{path}.tmp", path)  # the test polls for it: it never sees it empty
         steps += 1
         time.sleep(0.05)
     print(f"rank {distributed.get_rank()} answered {signum.name} after {steps} steps", flush=True)

@@ -37,16 +37,22 @@ def kill_the_rank(rank_pid, worker_id):
         os.kill(rank_pid, signal.SIGKILL)
 
 
+def write_whole(directory, name, text):
+    """The test counts and reads the files in ``directory`` as they appear: each comes whole, from a temporary
+    file beside the directory (one inside would be counted)."""
+    with open(f"{directory}.{name}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{directory}.{name}.tmp", os.path.join(directory, name))
+
+
 def worker(local_rank, world_size, behaviour, bad_rank, timeout, ready_dir):
     distributed.init_process_group(local_rank, world_size, timeout=timeout)
     distributed.reduce(torch.ones(1))               # everyone is connected
     rank = distributed.get_rank()
-    with open(os.path.join(ready_dir, f"ready{rank}"), "w") as f:
-        f.write(str(os.getppid()))
+    write_whole(ready_dir, f"ready{rank}", str(os.getppid()))
     if behaviour == "raise-leaving-a-child":           # what a rank starts and leaves running (an upload, say)
         child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(os.path.join(ready_dir, f"child{rank}"), "w") as f:
-            f.write(str(child.pid))
+        write_whole(ready_dir, f"child{rank}", str(child.pid))
         distributed.reduce(torch.ones(1))           # every rank has started its own before one fails
         if rank == bad_rank:
             raise ValueError(f"root cause on rank {rank}")
