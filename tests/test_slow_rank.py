@@ -30,11 +30,11 @@ DELAY_S = 0.05
 FOURTH_STEP_DELAY_S = 0.05  # at one step in four: well above what 2 busy cores add to a step now and then
 WINDOWS = 3  # per run: the third can call a rank persistent
 # Steps per window: a rank late at every step is named within 8; one late at one step in 4 needs more, to stand out
-# of the steps' spread (48: 4.0 standard errors, where 3 name it). Jitter alone is averaged over 16 steps slowed
-# alike (57 ms each) or 48 bare ones (7 ms): 16 bare steps (0.1 s) were shorter than a burst of the other tests'
-# processes in a crowded CI run, which really did make one rank late through a whole window (1.8 ms of 7.2, named).
+# of the steps' spread (48: 4.0 standard errors, where 3 name it). Jitter alone is averaged over about 0.4 s: 8
+# steps slowed alike (57 ms each) or 48 bare ones (7 ms). 16 bare steps (0.1 s) were shorter than a burst of the other
+# tests' processes in a crowded CI run, which really did make one rank late through a whole window (1.8 ms of 7.2).
 EVERY_STEP_WINDOW, FOURTH_STEP_WINDOW = 8, 48
-JITTER_WINDOW = {"all": 16, None: 48}
+JITTER_WINDOW = {"all": 8, None: 48}
 # DDP's own all-reduce; the shared-memory one with a Checkpointer's stop check after each step; a user's comm hook
 # with accumulation under no_sync (2 micro-batches a step).
 VARIANTS = ["ddp", "shared-memory+checkpointer", "own-hook+no_sync"]
