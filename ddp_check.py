@@ -43,13 +43,15 @@ float32 under CPU bf16 autocast, only the first step's gradients, each within 10
 significant digits: 1% per tensor is ordinary between 1 and N processes; every bug named here is 25% or more).
 
 Worker pools are started once per world size and reused by every call in this Python process (the first call
-takes a few seconds), stopped at exit; a rank that hangs fails the call after TIMEOUT_S seconds.
+takes a few seconds), stopped at exit; a rank that hangs fails the call after TIMEOUT_S seconds, its Python
+stacks printed on its stderr just before, and the error carries the traceback of any rank that failed first.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import inspect
 import multiprocessing.connection
@@ -604,7 +606,8 @@ def _pool_failure(head: str, error: PoolError, suspects: list[str]) -> str:
     if not error.tracebacks:  # a hang: the message names the ranks and the timeout
         return f"{head}: {error}"
     failed = {f"rank {rank}": text for rank, text in sorted(error.tracebacks.items())}
-    return _failure(f"{head}: ranks {sorted(error.tracebacks)} failed", failed, suspects)
+    hung = f", and ranks {error.hung} hung (their stacks are on stderr)" if error.hung else ""
+    return _failure(f"{head}: ranks {sorted(error.tracebacks)} failed{hung}", failed, suspects)
 
 
 def _failure(first_line: str, tracebacks: dict[str, str], causes: list[str]) -> str:
@@ -737,11 +740,13 @@ def _check_importable(arg: str, fn: Any) -> None:
 
 class PoolError(AssertionError):
     """A task failed or hung on some rank; the message holds every rank's report, ``tracebacks`` the
-    failed ranks' by rank (a hang: none)."""
+    failed ranks' by rank (at a hang, those of the ranks that replied: often the root cause), ``hung`` the ranks
+    that did not reply in time."""
 
-    def __init__(self, message: str, tracebacks: dict[int, str] | None = None):
+    def __init__(self, message: str, tracebacks: dict[int, str] | None = None, hung: list[int] | None = None):
         super().__init__(message)
         self.tracebacks = tracebacks or {}
+        self.hung = hung or []
 
 
 class WorkerPool:
@@ -764,15 +769,18 @@ class WorkerPool:
         """Run ``task(spec)`` on every rank; return the per-rank results in rank order."""
         timeout = TIMEOUT_S if timeout is None else timeout
         for conn in self.conns:
-            conn.send((task, spec))
+            conn.send((task, spec, timeout))
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple] = {}
         while len(replies) < self.world:
             waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
             ready = multiprocessing.connection.wait(list(waiting), max(deadline - time.monotonic(), 0))
-            if not ready:
+            if not ready:  # a rank that failed first (a timed-out collective, say) says why the others wait
+                errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
+                report = "".join(f"\n--- rank {r}, which replied:\n{tb}" for r, tb in sorted(errors.items()))
                 raise PoolError(f"{task.__name__} did not finish within {timeout:.0f} s on ranks "
-                                f"{sorted(waiting.values())} (world {self.world}): a hang")
+                                f"{sorted(waiting.values())} (world {self.world}): a hang; their stacks are on "
+                                f"stderr{report}", errors, sorted(waiting.values()))
             for conn in ready:
                 try:
                     replies[waiting[conn]] = conn.recv()
@@ -834,10 +842,15 @@ def _serve(rank: int, world: int, conns: list) -> None:
                 return
             if message is None:
                 return
-            task, spec = message
+            task, spec, timeout = message
+            # Where a hung task is, on stderr, before the pool gives up on it and restarts (a task that ends
+            # within 90% of its timeout prints nothing).
+            faulthandler.dump_traceback_later(0.9 * timeout)
             try:
                 conn.send(("ok", task(spec)))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
+            finally:
+                faulthandler.cancel_dump_traceback_later()
     finally:
         distributed.cleanup()

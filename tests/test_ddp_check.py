@@ -428,6 +428,34 @@ def test_a_hung_rank_fails_the_call_after_the_timeout_and_the_next_call_works(mo
     assert_ddp_equivalent(mlp, vectors, cross_entropy, world_sizes=(2,))  # a new pool: the hung one was stopped
 
 
+def task_fails_on_rank_0_and_hangs_on_rank_1(spec: dict) -> None:
+    if distributed.get_rank() == 0:
+        raise ValueError("the root cause, on rank 0")
+    os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT), 2)  # this rank's stderr, where faulthandler writes
+    time.sleep(30)  # as in a collective whose peer has gone
+
+
+@pytest.mark.slow
+def test_a_hang_carries_the_failed_ranks_error_and_the_hung_stacks(tmp_path):
+    """Rank 0 raises, rank 1 waits on: the hang's PoolError carries rank 0's traceback (the root cause; a CI run
+    once showed only "a hang on ranks [1]"), and rank 1 wrote its stack on its stderr before the pool gave up."""
+    pool = ddp_check.WorkerPool(2)
+    try:
+        with pytest.raises(ddp_check.PoolError) as caught:
+            pool.run(task_fails_on_rank_0_and_hangs_on_rank_1, {"stderr": str(tmp_path / "stderr1")}, timeout=4)
+        message = str(caught.value)
+        assert "did not finish within 4 s on ranks [1] (world 2): a hang" in message, message
+        assert "--- rank 0, which replied:" in message and "ValueError: the root cause, on rank 0" in message
+        assert list(caught.value.tracebacks) == [0] and caught.value.hung == [1]
+        deadline, dumped = time.monotonic() + 20, ""
+        while "in task_fails_on_rank_0_and_hangs_on_rank_1" not in dumped and time.monotonic() < deadline:
+            time.sleep(0.1)
+            dumped = (tmp_path / "stderr1").read_text()
+        assert "in task_fails_on_rank_0_and_hangs_on_rank_1" in dumped, dumped
+    finally:
+        pool.close()
+
+
 def task_where_the_pool_runs(spec: dict) -> tuple:
     import os
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.distributed.get_backend(), torch.cuda.device_count()
